@@ -1,0 +1,73 @@
+"""Child-process entry: `python -m axonserve.actors.entry '<ActorSpec JSON>'`.
+
+Sets up logging and parent-death handling, then runs one actor on uvloop. SIGINT is ignored
+(the supervisor owns Ctrl-C and stops children in order); SIGTERM requests a clean stop; if
+the supervisor dies, the kernel sends SIGTERM (PR_SET_PDEATHSIG), so no actor is orphaned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import signal
+import sys
+
+import msgspec
+
+from axonserve.config import ActorSpec
+from axonserve.logs import setup_logging
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+    if os.getppid() != parent_pid:  # parent already gone before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def actor_class(kind: str):
+    if kind == "scheduler":
+        from axonserve.engine.scheduler_actor import SchedulerActor
+
+        return SchedulerActor
+    if kind == "worker":
+        from axonserve.neuron.worker import WorkerActor
+
+        return WorkerActor
+    if kind == "frontend":
+        from axonserve.frontends.openai.actor import FrontendActor
+
+        return FrontendActor
+    raise ValueError(f"unknown actor kind {kind!r}")
+
+
+async def _run(spec: ActorSpec) -> int:
+    actor = actor_class(spec.kind)(spec)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, actor.stopping.set)
+    return await actor.main()
+
+
+def main() -> None:
+    spec = msgspec.json.decode(sys.argv[1], type=ActorSpec)
+    _die_with_parent(int(os.environ.get("AXONSERVE_PARENT_PID", os.getppid())))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    setup_logging(spec.config.log_format, spec.config.log_level, actor=spec.name)
+    try:
+        import uvloop
+
+        code = uvloop.run(_run(spec))
+    except KeyboardInterrupt:
+        code = 0
+    sys.stdout.flush()
+    os._exit(code)  # skip interpreter teardown (torch threads); sockets are already closed
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Actor base: one process, its own sockets, a readiness handshake, heartbeats, clean shutdown.
+
+Life of an actor (driven by `Actor.main`):
+    Hello -> setup() [heavy: load weights, bind sockets] -> Ready(info) -> run() ... -> teardown()
+A control task listens to the supervisor the whole time: `Shutdown` stops the actor,
+`ActorFailed` about a peer calls `on_peer_failed`, `Configure` delivers facts learned at
+start-up (e.g. the KV block count the workers measured) to `self.configured`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any, ClassVar
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from axonserve.config import ActorSpec
+from axonserve.protocol import Codec, Control, DecodeError
+from axonserve.protocol.messages import (
+    ActorFailed,
+    Configure,
+    Heartbeat,
+    Hello,
+    Ready,
+    Shutdown,
+)
+
+_control_codec = Codec(Control)
+
+
+class Actor:
+    kind: ClassVar[str] = ""
+
+    def __init__(self, spec: ActorSpec):
+        self.spec = spec
+        self.name = spec.name
+        self.config = spec.config
+        self.addresses = spec.addresses
+        self.ctx = zmq.asyncio.Context()
+        self.log = structlog.get_logger().bind(actor=self.name)
+        self.stopping = asyncio.Event()
+        self.configured: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._control = self.socket(zmq.DEALER, self.addresses.control, identity=self.name.encode())
+
+    # ------------------------------------------------------------------ overridables
+
+    async def setup(self) -> dict[str, Any]:
+        """Bind sockets, load what is heavy. Returns facts for the Ready message."""
+        return {}
+
+    async def run(self) -> None:
+        """The actor's work; returns when done. Default: wait for shutdown."""
+        await self.stopping.wait()
+
+    async def on_peer_failed(self, name: str, reason: str) -> None:
+        """A peer died or hung (told by the supervisor)."""
+
+    async def teardown(self) -> None:
+        """Release resources; sockets are closed by the runtime afterwards."""
+
+    # ------------------------------------------------------------------ helpers
+
+    def socket(
+        self, kind: int, address: str, *, bind: bool = False, identity: bytes | None = None
+    ) -> zmq.asyncio.Socket:
+        s = self.ctx.socket(kind)
+        s.setsockopt(zmq.LINGER, 2000)  # a final message (e.g. "dead") still leaves on close
+        if identity is not None:
+            s.setsockopt(zmq.IDENTITY, identity)
+        if kind in (zmq.PUB, zmq.XPUB, zmq.PUSH, zmq.DEALER, zmq.ROUTER):
+            s.setsockopt(zmq.SNDHWM, 0)
+        if kind in (zmq.SUB, zmq.PULL, zmq.DEALER, zmq.ROUTER):
+            s.setsockopt(zmq.RCVHWM, 0)
+        if bind:
+            s.bind(address)
+        else:
+            s.connect(address)
+        return s
+
+    async def send_control(self, msg: Any) -> None:
+        await self._control.send_multipart(Codec.encode(msg), copy=False)
+
+    async def report_failure(self, reason: str) -> None:
+        """Tell the supervisor this actor cannot go on; it will notify peers and stop us."""
+        self.log.error("actor_failed", reason=reason)
+        try:
+            await asyncio.wait_for(self.send_control(ActorFailed(self.name, reason)), 1.0)
+        except Exception:  # noqa: BLE001 - best effort while dying
+            pass
+
+    # ------------------------------------------------------------------ runtime
+
+    async def main(self) -> int:
+        """Run the actor's whole life; returns the process exit code."""
+        await self.send_control(Hello(self.name, os.getpid()))
+        control_task = asyncio.create_task(self._control_loop(), name="control")
+        code = 0
+        try:
+            setup = asyncio.create_task(self.setup(), name="setup")
+            await _first(setup, self.stopping)
+            if self.stopping.is_set():
+                setup.cancel()
+                return 0
+            info = setup.result()
+            await self.send_control(Ready(self.name, info))
+            self.log.info("ready", **{k: v for k, v in info.items() if not isinstance(v, list)})
+            hb = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+            run = asyncio.create_task(self.run(), name="run")
+            await _first(run, self.stopping)
+            if run.done() and run.exception() is not None:
+                raise run.exception()  # type: ignore[misc]
+            run.cancel()
+            hb.cancel()
+        except Exception as e:  # noqa: BLE001 - an actor reports, then dies with non-zero
+            self.log.exception("actor_crashed")
+            await self.report_failure(f"{type(e).__name__}: {e}")
+            code = 1
+        finally:
+            control_task.cancel()
+            try:
+                await asyncio.wait_for(self.teardown(), 5.0)
+            except Exception:  # noqa: BLE001
+                self.log.exception("teardown_failed")
+            self.ctx.destroy(linger=1000)
+        return code
+
+    async def _control_loop(self) -> None:
+        while True:
+            frames = await self._control.recv_multipart()
+            try:
+                msg, _ = _control_codec.decode(frames)
+            except DecodeError as e:
+                self.log.warning("bad_control_message", error=str(e))
+                continue
+            if isinstance(msg, Shutdown):
+                self.log.info("shutdown_requested", reason=msg.reason)
+                self.stopping.set()
+            elif isinstance(msg, ActorFailed):
+                self.log.warning("peer_failed", peer=msg.name, reason=msg.reason)
+                try:
+                    await self.on_peer_failed(msg.name, msg.reason)
+                except Exception:  # noqa: BLE001
+                    self.log.exception("on_peer_failed_error")
+            elif isinstance(msg, Configure):
+                if not self.configured.done():
+                    self.configured.set_result(msg.info)
+            else:
+                self.log.warning("unexpected_control_message", type=type(msg).__name__)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await self.send_control(Heartbeat(self.name, time.time()))
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+
+
+async def _first(task: asyncio.Task, event: asyncio.Event) -> None:
+    """Wait until `task` finishes or `event` is set."""
+    waiter = asyncio.create_task(event.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()

@@ -1,0 +1,242 @@
+"""Supervisor: starts every actor process, knows who is alive, stops them all.
+
+Start-up: spawn workers, scheduler (and frontend) at once -> each says Hello, loads, says
+Ready -> once every worker is Ready the scheduler is sent `Configure` (KV block count and
+limits the workers measured) -> all Ready: serving. A process that exits, misses heartbeats
+or reports a failure marks the whole engine failed: every survivor is told (in-flight
+requests end with errors, /health turns 503), then after a short grace everything stops
+and the supervisor's exit code is non-zero. Children die with the supervisor (PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+
+from axonserve.config import ActorSpec, Addresses, EngineConfig
+from axonserve.protocol import Codec, Control, DecodeError
+from axonserve.protocol.messages import (
+    ActorFailed,
+    Configure,
+    Heartbeat,
+    Hello,
+    Ready,
+    Shutdown,
+)
+
+log = structlog.get_logger()
+_codec = Codec(Control)
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Child:
+    spec: ActorSpec
+    proc: subprocess.Popen
+    ready: bool = False
+    info: dict = field(default_factory=dict)
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Supervisor:
+    def __init__(self, config: EngineConfig, *, frontend: bool = True):
+        self.config = config
+        self.with_frontend = frontend
+        self.run_dir = tempfile.mkdtemp(prefix="axonserve-")
+        self.addresses = Addresses.in_dir(
+            self.run_dir, free_port() if config.num_workers > 1 else 0
+        )
+        self.children: dict[str, _Child] = {}
+        self.failure: tuple[str, str] | None = None
+        self._failed = asyncio.Event()
+        self._all_ready = asyncio.Event()
+        self._stopped = False
+        self._tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------------ start
+
+    async def start(self) -> None:
+        """Spawn every actor and wait until all are Ready; StartupError otherwise."""
+        t0 = time.monotonic()
+        self.ctx = zmq.asyncio.Context()
+        self.control = self.ctx.socket(zmq.ROUTER)
+        self.control.setsockopt(zmq.LINGER, 0)
+        self.control.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.control.bind(self.addresses.control)
+        specs = [
+            ActorSpec(kind="worker", name=f"worker-{r}", config=self.config,
+                      addresses=self.addresses, rank=r)
+            for r in range(self.config.num_workers)
+        ]
+        specs.append(ActorSpec(kind="scheduler", name="scheduler", config=self.config,
+                               addresses=self.addresses))
+        if self.with_frontend:
+            specs.append(ActorSpec(kind="frontend", name="frontend", config=self.config,
+                                   addresses=self.addresses))
+        for spec in specs:
+            self.children[spec.name] = _Child(spec, self._spawn(spec))
+        self._tasks = [
+            asyncio.create_task(self._control_loop(), name="supervisor-control"),
+            asyncio.create_task(self._watch_loop(), name="supervisor-watch"),
+        ]
+        ready = asyncio.ensure_future(self._all_ready.wait())
+        failed = asyncio.ensure_future(self._failed.wait())
+        done, _ = await asyncio.wait(
+            {ready, failed}, timeout=self.config.ready_timeout_s,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        ready.cancel()
+        failed.cancel()
+        if not self._all_ready.is_set():
+            why = self.failure[1] if self.failure else "timed out waiting for actors to be ready"
+            who = self.failure[0] if self.failure else ",".join(
+                n for n, c in self.children.items() if not c.ready)
+            await self.stop("startup failed")
+            raise StartupError(f"{who}: {why}")
+        log.info("engine_ready", seconds=round(time.monotonic() - t0, 2),
+                 actors=len(self.children), **self.engine_facts())
+
+    def engine_facts(self) -> dict:
+        s = self.children.get("scheduler")
+        return dict(s.info) if s else {}
+
+    def _spawn(self, spec: ActorSpec) -> subprocess.Popen:
+        env = dict(os.environ, AXONSERVE_PARENT_PID=str(os.getpid()))
+        cmd = [sys.executable, "-m", "axonserve.actors.entry", msgspec.json.encode(spec).decode()]
+        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+
+    # ------------------------------------------------------------------ monitor
+
+    async def wait(self) -> int:
+        """Serve until stopped (0) or until an actor fails (1, after the grace period)."""
+        await self._failed.wait()
+        if self.failure is None:
+            await self.stop("stop requested")
+            return 0
+        await asyncio.sleep(self.config.failure_grace_s)
+        await self.stop("actor failure")
+        return 1
+
+    async def _control_loop(self) -> None:
+        while True:
+            frames = await self.control.recv_multipart()
+            name = frames[0].decode(errors="replace")
+            try:
+                msg, _ = _codec.decode(frames[1:])
+            except DecodeError as e:
+                log.warning("bad_control_message", sender=name, error=str(e))
+                continue
+            child = self.children.get(name)
+            if child is None:
+                log.warning("unknown_actor", sender=name)
+                continue
+            child.last_seen = time.monotonic()
+            if isinstance(msg, Ready):
+                child.ready, child.info = True, dict(msg.info)
+                await self._on_ready()
+            elif isinstance(msg, ActorFailed):
+                await self._on_failure(msg.name, msg.reason)
+            elif not isinstance(msg, (Hello, Heartbeat)):
+                log.warning("unexpected_control_message", sender=name, type=type(msg).__name__)
+
+    async def _on_ready(self) -> None:
+        workers = [c for c in self.children.values() if c.spec.kind == "worker"]
+        sched = self.children["scheduler"]
+        if all(w.ready for w in workers) and not sched.ready and not getattr(self, "_configured", False):
+            self._configured = True
+            w0 = workers[0].info
+            info = {
+                "num_kv_blocks": min(int(w.info["num_kv_blocks"]) for w in workers),
+                "max_model_len": int(w0["max_model_len"]),
+                "eos_token_ids": list(w0["eos_token_ids"]),
+                "vocab_size": int(w0["vocab_size"]),
+            }
+            await self._send("scheduler", Configure(info))
+        if all(c.ready for c in self.children.values()):
+            self._all_ready.set()
+
+    async def _watch_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            now = time.monotonic()
+            for name, c in self.children.items():
+                code = c.proc.poll()
+                if code is not None:
+                    await self._on_failure(name, f"process exited with code {code}")
+                elif c.ready and now - c.last_seen > self.config.heartbeat_timeout_s:
+                    await self._on_failure(name, f"no heartbeat for {now - c.last_seen:.1f}s")
+
+    async def _on_failure(self, name: str, reason: str) -> None:
+        if self._stopped or self.failure is not None or self._failed.is_set():
+            return
+        self.failure = (name, reason)
+        log.error("actor_failed", failed=name, reason=reason)
+        for other, c in self.children.items():
+            if other != name and c.proc.poll() is None:
+                await self._send(other, ActorFailed(name, reason))
+        self._failed.set()
+
+    async def _send(self, name: str, msg) -> None:
+        try:
+            await self.control.send_multipart([name.encode(), *Codec.encode(msg)])
+        except zmq.ZMQError as e:
+            log.warning("control_send_failed", to=name, error=str(e))
+
+    # ------------------------------------------------------------------ stop
+
+    def request_stop(self) -> None:
+        """Signal handler entry: stop serving, exit code 0."""
+        self._failed.set()
+
+    async def stop(self, reason: str = "shutdown", timeout: float = 5.0) -> None:
+        """Ask every actor to stop; escalate to SIGTERM then SIGKILL. Idempotent."""
+        self._stopped = True
+        live = [c for c in self.children.values() if c.proc.poll() is None]
+        for c in live:
+            await self._send(c.spec.name, Shutdown(reason))
+        await self._reap(live, timeout, None)
+        await self._reap(live, 3.0, signal.SIGTERM)
+        await self._reap(live, 3.0, signal.SIGKILL)
+        for t in self._tasks:
+            t.cancel()
+        if hasattr(self, "ctx"):
+            self.ctx.destroy(linger=0)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        log.info("engine_stopped", reason=reason)
+
+    @staticmethod
+    async def _reap(children: list[_Child], timeout: float, sig: int | None) -> None:
+        alive = [c for c in children if c.proc.poll() is None]
+        if not alive:
+            return
+        if sig is not None:
+            for c in alive:
+                try:
+                    c.proc.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(c.proc.poll() is None for c in alive):
+            await asyncio.sleep(0.05)

@@ -1,0 +1,127 @@
+"""`axonserve serve|generate ...` — flags mirror `vllm serve` where they exist."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+
+import structlog
+
+from axonserve import __version__
+from axonserve.config import EngineConfig
+from axonserve.logs import setup_logging
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help="model directory, .gguf file, or SmolLM2-135M-Instruct (default)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=0.1,
+                   help="fraction of available memory for the KV pool when --num-kv-blocks is unset")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
+    p.add_argument("--num-workers", type=int, default=1, help="worker ranks")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-format", default="console", choices=["console", "json"])
+    p.add_argument("--log-level", default="info")
+
+
+def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
+    from axonserve.neuron.model_source import resolve_model
+
+    model_dir = resolve_model(args.model)
+    dtype = "float32" if args.dtype == "auto" else args.dtype
+    return EngineConfig(
+        model=model_dir,
+        served_model_name=args.served_model_name or args.model,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        dtype=dtype,
+        num_workers=args.num_workers,
+        threads=args.threads,
+        seed=args.seed,
+        log_format=args.log_format,
+        log_level=args.log_level,
+        **extra,
+    )
+
+
+async def _serve(config: EngineConfig) -> int:
+    from axonserve.actors.supervisor import StartupError, Supervisor
+
+    sup = Supervisor(config, frontend=True)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, sup.request_stop)
+    try:
+        await sup.start()
+    except StartupError as e:
+        structlog.get_logger().error("startup_failed", error=str(e))
+        return 1
+    structlog.get_logger().info("serving", url=f"http://{config.host}:{config.port}/v1")
+    return await sup.wait()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = engine_config(args, host=args.host, port=args.port)
+    import uvloop
+
+    return uvloop.run(_serve(config))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from axonserve.frontends.offline import LLM
+    from axonserve.protocol.messages import SamplingParams
+
+    llm = LLM(config=engine_config(args))
+    try:
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+        for out in llm.generate(args.prompt, params):
+            print(out.text)
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="axonserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=__version__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.set_defaults(func=cmd_serve)
+    gen = sub.add_parser("generate", help="generate offline for prompts given on the command line")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", required=True)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.set_defaults(func=cmd_generate)
+    args = parser.parse_args(argv)
+    setup_logging(args.log_format, args.log_level, actor="launcher")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        code = args.func(args)
+    except ValueError as e:  # bad model path, unsupported architecture, bad flag value
+        structlog.get_logger().error("error", error=str(e))
+        code = 2
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

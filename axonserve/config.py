@@ -1,0 +1,63 @@
+"""Engine configuration: one struct, built by the CLI or the offline API, handed to every actor.
+
+It travels to child processes as JSON on their command line (msgspec, never pickle).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
+    model: str  # resolved model directory (config.json, weights, tokenizer)
+    served_model_name: str = ""
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_fraction
+    kv_cache_memory_fraction: float = 0.1  # of MemAvailable at worker start
+    dtype: str = "float32"
+    num_workers: int = 1  # worker ranks
+    seed: int = 0
+    threads: int | None = None  # torch threads per worker; None: all cores / num_workers
+    # frontend
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # supervision
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 30.0
+    ready_timeout_s: float = 600.0
+    failure_grace_s: float = 3.0  # after a death: time to flush errors before everything stops
+    log_format: str = "console"  # console | json
+    log_level: str = "info"
+
+
+class Addresses(msgspec.Struct, kw_only=True):
+    """Bus endpoints (URLs: ipc:// on one host, tcp:// across hosts)."""
+
+    control: str  # supervisor ROUTER
+    engine: str  # scheduler ROUTER (clients connect DEALERs)
+    plan: str  # scheduler XPUB -> worker SUBs
+    result: str  # worker rank 0 PUSH -> scheduler PULL
+    dist_init: str = ""  # torch.distributed init_method for worker ranks (tcp://host:port)
+
+    @classmethod
+    def in_dir(cls, d: str, dist_port: int = 0) -> "Addresses":
+        return cls(
+            control=f"ipc://{d}/control",
+            engine=f"ipc://{d}/engine",
+            plan=f"ipc://{d}/plan",
+            result=f"ipc://{d}/result",
+            dist_init=f"tcp://127.0.0.1:{dist_port}" if dist_port else "",
+        )
+
+
+class ActorSpec(msgspec.Struct, kw_only=True):
+    """Everything a child process needs to become one actor."""
+
+    kind: str  # frontend | scheduler | worker
+    name: str
+    config: EngineConfig
+    addresses: Addresses
+    rank: int = 0

@@ -1,0 +1,95 @@
+"""Scheduler-side request state.
+
+One rule drives scheduling: each step a request gets tokens until `num_computed_tokens`
+catches up with `num_tokens`. A fresh prompt, a prefill chunk, a resumed (preempted)
+request and a decode step are all the same case.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from axonserve.protocol.messages import SamplingParams
+
+
+class Status(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED = 3
+
+
+class Request:
+    __slots__ = (
+        "request_id",
+        "client",
+        "params",
+        "token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "block_ids",
+        "status",
+        "priority",
+        "arrival_time",
+        "max_total_tokens",
+        "finish_reason",
+        "stop_reason",
+        "sent_to_worker",
+        "num_blocks_sent",
+        "first_token_time",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        client: bytes,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_model_len: int,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ):
+        self.request_id = request_id
+        self.client = client
+        self.params = params
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.status = Status.WAITING
+        self.priority = priority
+        self.arrival_time = arrival_time or time.time()
+        limit = max_model_len
+        if params.max_tokens is not None:
+            limit = min(limit, self.num_prompt_tokens + params.max_tokens)
+        self.max_total_tokens = limit
+        self.finish_reason: str | None = None
+        self.stop_reason: int | None = None
+        self.sent_to_worker = False  # the worker holds state for it (cleared on preemption)
+        self.num_blocks_sent = 0  # block ids the worker already has
+        self.first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def append_token(self, token_id: int, eos_token_ids: frozenset[int]) -> bool:
+        """Record a sampled token; set finish state and return True if the request is done."""
+        self.token_ids.append(token_id)
+        p = self.params
+        if self.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token_id in eos_token_ids:
+                self.finish_reason = "stop"
+                return True
+            if token_id in p.stop_token_ids:
+                self.finish_reason, self.stop_reason = "stop", token_id
+                return True
+        if self.num_tokens >= self.max_total_tokens:
+            self.finish_reason = "length"
+            return True
+        return False

@@ -1,0 +1,228 @@
+"""Continuous-batching scheduler policy (pure Python, no I/O).
+
+Each step: running requests first (decode-first, so streams keep flowing), then waiting
+ones while the token budget, the sequence cap and free KV blocks allow. A prompt larger
+than the remaining budget is split (chunked prefill). When blocks run out, the
+lowest-priority running request is preempted (blocks freed, recomputed later).
+The plan sent to workers is a diff: new requests in full, known ones only their new blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from axonserve.engine.block_manager import BlockManager
+from axonserve.engine.request import Request, Status
+from axonserve.protocol.messages import (
+    CachedRequestData,
+    NewRequestData,
+    RequestDelta,
+    StepPlan,
+    StepResult,
+)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig):
+        self.cfg = cfg
+        self.blocks = BlockManager(cfg.num_kv_blocks, cfg.block_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._to_drop: list[str] = []  # worker state to discard at the next step
+        self._step_id = 0
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ intake
+
+    def check(self, req: Request) -> str | None:
+        """Why this request can never run, or None."""
+        n, cfg = req.num_prompt_tokens, self.cfg
+        if n == 0:
+            return "prompt is empty"
+        if req.request_id in self.requests:
+            return f"duplicate request id {req.request_id!r}"
+        if n >= cfg.max_model_len:
+            return (
+                f"This model's maximum context length is {cfg.max_model_len} tokens. "
+                f"However, your request has {n} input tokens."
+            )
+        if any(t < 0 or t >= cfg.vocab_size for t in req.token_ids):
+            return f"prompt contains token ids outside the vocabulary [0, {cfg.vocab_size})"
+        if self.blocks.blocks_needed(n + 1) > cfg.num_kv_blocks:
+            return (
+                f"prompt needs {self.blocks.blocks_needed(n + 1)} KV blocks but the pool "
+                f"holds {cfg.num_kv_blocks}"
+            )
+        return None
+
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_ids: list[str]) -> list[Request]:
+        """Finish the named requests now (idempotent); returns the ones that were live."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            req.finish_reason = "abort"
+            self._finish(req)
+            done.append(req)
+        return done
+
+    def abort_all(self, reason: str = "abort") -> list[Request]:
+        reqs = list(self.requests.values())
+        for req in reqs:
+            req.finish_reason = reason
+            self._finish(req)
+        return reqs
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ------------------------------------------------------------------ step
+
+    def schedule(self) -> StepPlan | None:
+        cfg = self.cfg
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted = False
+
+        for req in list(self.running):
+            if req.status != Status.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            while not self.blocks.ensure(req, req.num_computed_tokens + n):
+                victim = self._pick_victim()
+                for i, (r, rn) in enumerate(scheduled):
+                    if r is victim:  # scheduled earlier this step: take it back
+                        del scheduled[i]
+                        budget += rn
+                        break
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status != Status.RUNNING:
+                continue
+            scheduled.append((req, n))
+            budget -= n
+            if budget == 0:
+                break
+
+        while self.waiting and budget > 0 and not preempted:
+            if len(self.running) >= cfg.max_num_seqs:
+                break
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.blocks.ensure(req, req.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+
+        if not scheduled and not self._to_drop:
+            return None
+        return self._make_plan(scheduled)
+
+    def _make_plan(self, scheduled: list[tuple[Request, int]]) -> StepPlan:
+        new, cached, new_n, cached_n = [], [], [], []
+        for req, n in scheduled:
+            if not req.sent_to_worker:
+                new.append(
+                    NewRequestData(
+                        request_id=req.request_id,
+                        token_ids=list(req.token_ids),
+                        num_prompt_tokens=req.num_prompt_tokens,
+                        block_ids=list(req.block_ids),
+                        num_computed_tokens=req.num_computed_tokens,
+                        params=req.params,
+                    )
+                )
+                new_n.append(n)
+                req.sent_to_worker = True
+            else:
+                cached.append(
+                    CachedRequestData(req.request_id, req.block_ids[req.num_blocks_sent :])
+                )
+                cached_n.append(n)
+            req.num_blocks_sent = len(req.block_ids)
+            req.num_computed_tokens += n
+        self._step_id += 1
+        plan = StepPlan(
+            step_id=self._step_id,
+            new=new,
+            cached=cached,
+            num_scheduled_tokens=new_n + cached_n,
+            finished_request_ids=self._to_drop,
+        )
+        self._to_drop = []
+        return plan
+
+    def update(self, result: StepResult) -> list[RequestDelta]:
+        """Apply sampled tokens; return the deltas to send (finished ones included)."""
+        deltas = []
+        lps = result.logprobs
+        for i, (rid, tok) in enumerate(zip(result.request_ids, result.sampled_token_ids)):
+            req = self.requests.get(rid)
+            if req is None or req.status != Status.RUNNING:  # aborted or preempted meanwhile
+                continue
+            done = req.append_token(tok, self.cfg.eos_token_ids)
+            delta = RequestDelta(
+                request_id=rid,
+                new_token_ids=[tok],
+                logprobs=[lps[i]] if lps is not None and lps[i] is not None else None,
+                num_prompt_tokens=req.num_prompt_tokens,
+            )
+            if done:
+                delta.finish_reason, delta.stop_reason = req.finish_reason, req.stop_reason
+                self._finish(req)
+            deltas.append(delta)
+        return deltas
+
+    # ------------------------------------------------------------------ internals
+
+    def _pick_victim(self) -> Request:
+        """Lowest priority (largest `priority` value), latest arrival among equals."""
+        return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.blocks.free(req)
+        if req.sent_to_worker:
+            self._to_drop.append(req.request_id)
+            req.sent_to_worker = False
+        req.num_computed_tokens = 0
+        req.status = Status.PREEMPTED
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def _finish(self, req: Request) -> None:
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+        elif req.status in (Status.WAITING, Status.PREEMPTED):
+            self.waiting.remove(req)
+        if req.sent_to_worker:
+            self._to_drop.append(req.request_id)
+        self.blocks.free(req)
+        req.status = Status.FINISHED
+        self.requests.pop(req.request_id, None)

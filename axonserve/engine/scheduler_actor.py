@@ -1,0 +1,247 @@
+"""Scheduler actor: owns request state and drives the worker ranks one step at a time.
+
+Sockets: ROUTER (clients' DEALERs: requests in, per-client output batches out by identity),
+XPUB (one step plan reaches every rank), PULL (rank 0's step results). Client messages are
+handled by their own task between steps, so requests join the running batch at the next
+step and aborts apply before the next plan. Any worker failure fails every in-flight
+request with an error delta and tells every client the engine is dead — never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+
+import zmq
+
+from axonserve import __version__
+from axonserve.actors.runtime import Actor
+from axonserve.engine.request import Request
+from axonserve.engine.scheduler import Scheduler, SchedulerConfig
+from axonserve.protocol import ClientToEngine, Codec, DecodeError
+from axonserve.protocol.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineDead,
+    EngineInfo,
+    GetEngineInfo,
+    Outputs,
+    ParamError,
+    RequestDelta,
+    StepPlan,
+    StepResult,
+)
+
+_client_codec = Codec(ClientToEngine)
+_result_codec = Codec(StepResult)
+
+
+class SchedulerActor(Actor):
+    kind = "scheduler"
+
+    async def setup(self) -> dict:
+        a = self.addresses
+        self.router = self.socket(zmq.ROUTER, a.engine, bind=True)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.pub = self.socket(zmq.XPUB, a.plan, bind=True)
+        self.pull = self.socket(zmq.PULL, a.result, bind=True)
+        info = await asyncio.wait_for(self.configured, self.config.ready_timeout_s)
+        await self._wait_subscribers(self.config.num_workers)
+        max_len = int(info["max_model_len"])
+        self.sched = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=self.config.max_num_seqs,
+                max_num_batched_tokens=max(self.config.max_num_batched_tokens, 1),
+                max_model_len=max_len,
+                block_size=self.config.block_size,
+                num_kv_blocks=int(info["num_kv_blocks"]),
+                vocab_size=int(info["vocab_size"]),
+                eos_token_ids=frozenset(info["eos_token_ids"]),  # type: ignore[arg-type]
+            )
+        )
+        self.engine_info = EngineInfo(
+            model=self.config.model,
+            served_model_name=self.config.served_model_name or self.config.model,
+            max_model_len=max_len,
+            block_size=self.config.block_size,
+            num_kv_blocks=self.sched.cfg.num_kv_blocks,
+            max_num_seqs=self.config.max_num_seqs,
+            eos_token_ids=sorted(self.sched.cfg.eos_token_ids),
+            vocab_size=self.sched.cfg.vocab_size,
+            version=__version__,
+        )
+        self.clients: set[bytes] = set()
+        self._owner: dict[str, bytes] = {}  # request id -> client identity
+        self.dead_reason: str | None = None
+        self._dead = asyncio.Event()
+        self._work = asyncio.Event()
+        return {"num_kv_blocks": self.sched.cfg.num_kv_blocks, "max_model_len": max_len}
+
+    async def _wait_subscribers(self, n: int) -> None:
+        """XPUB reports each SUB's subscription: plans sent before that would be lost."""
+        seen = 0
+        while seen < n:
+            frame = await asyncio.wait_for(self.pub.recv(), self.config.ready_timeout_s)
+            if frame[:1] == b"\x01":
+                seen += 1
+
+    async def run(self) -> None:
+        tasks = [
+            asyncio.create_task(self._client_loop(), name="clients"),
+            asyncio.create_task(self._step_loop(), name="steps"),
+        ]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                t.result()
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    # ------------------------------------------------------------------ clients
+
+    async def _client_loop(self) -> None:
+        while True:
+            frames = await self.router.recv_multipart(copy=False)
+            ident = frames[0].bytes
+            try:
+                msg, _ = _client_codec.decode(frames[1:])
+            except DecodeError as e:
+                self.log.warning("bad_client_message", error=str(e))
+                continue
+            self.clients.add(ident)
+            if isinstance(msg, AddRequest):
+                await self._add(ident, msg)
+            elif isinstance(msg, AbortRequest):
+                aborted = self.sched.abort(msg.request_ids)
+                if aborted:
+                    await self._send_deltas([self._final(r) for r in aborted])
+            elif isinstance(msg, GetEngineInfo):
+                await self._send(ident, self.engine_info)
+                if self.dead_reason is not None:
+                    await self._send(ident, EngineDead(self.dead_reason))
+
+    async def _add(self, ident: bytes, msg: AddRequest) -> None:
+        def reject(why: str) -> RequestDelta:
+            return RequestDelta(msg.request_id, finish_reason="error", error=why)
+
+        if self.dead_reason is not None:
+            await self._send(ident, Outputs([reject(f"engine is dead: {self.dead_reason}")]))
+            return
+        try:
+            msg.params.validate()
+        except ParamError as e:
+            await self._send(ident, Outputs([reject(str(e))]))
+            return
+        req = Request(
+            msg.request_id,
+            ident,
+            msg.prompt_token_ids,
+            msg.params,
+            self.sched.cfg.max_model_len,
+            priority=msg.priority,
+            arrival_time=msg.arrival_time or None,
+        )
+        why = self.sched.check(req)
+        if why is not None:
+            await self._send(ident, Outputs([reject(why)]))
+            return
+        self.sched.add(req)
+        self._owner[req.request_id] = ident
+        self._work.set()
+
+    # ------------------------------------------------------------------ steps
+
+    async def _step_loop(self) -> None:
+        while self.dead_reason is None:
+            plan = self.sched.schedule() if self.sched.has_work else None
+            if plan is None:
+                self._work.clear()
+                if self.sched.has_work:  # blocked on KV blocks with nothing running
+                    await asyncio.sleep(0.005)
+                else:
+                    await self._work.wait()
+                continue
+            await self.pub.send_multipart(Codec.encode(plan), copy=False)
+            result = await self._await_result(plan)
+            if result is None:
+                return
+            deltas = self.sched.update(result)
+            if deltas:
+                await self._send_deltas(deltas)
+
+    async def _await_result(self, plan: StepPlan) -> StepResult | None:
+        recv = asyncio.ensure_future(self.pull.recv_multipart(copy=False))
+        dead = asyncio.ensure_future(self._dead.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {recv, dead},
+                timeout=self.config.heartbeat_timeout_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            dead.cancel()
+        if recv not in done:
+            recv.cancel()
+            if not self._dead.is_set():
+                await self._fail(f"worker rank 0 gave no result for step {plan.step_id}")
+            return None
+        try:
+            result, _ = _result_codec.decode(recv.result())
+        except DecodeError as e:
+            await self._fail(f"undecodable step result: {e}")
+            return None
+        if not isinstance(result, StepResult) or result.step_id != plan.step_id:
+            await self._fail(f"step result out of order (expected step {plan.step_id})")
+            return None
+        if result.error:
+            await self._fail(f"worker error: {result.error}")
+            return None
+        return result
+
+    # ------------------------------------------------------------------ failure
+
+    async def on_peer_failed(self, name: str, reason: str) -> None:
+        if name != self.name:
+            await self._fail(f"{name} failed: {reason}", report=False)
+
+    async def _fail(self, reason: str, report: bool = True) -> None:
+        """Fail every request, tell every client; the engine serves no more."""
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        self._dead.set()
+        self._work.set()
+        failed = self.sched.abort_all("error")
+        deltas = [self._final(r, error=reason) for r in failed]
+        if deltas:
+            await self._send_deltas(deltas)
+        for ident in self.clients:
+            await self._send(ident, EngineDead(reason))
+        if report:
+            await self.report_failure(reason)
+
+    # ------------------------------------------------------------------ sending
+
+    def _final(self, req: Request, error: str | None = None) -> RequestDelta:
+        return RequestDelta(
+            req.request_id,
+            finish_reason=req.finish_reason or "abort",
+            error=error,
+            num_prompt_tokens=req.num_prompt_tokens,
+        )
+
+    async def _send(self, ident: bytes, msg) -> None:
+        await self.router.send_multipart([ident, *Codec.encode(msg)], copy=False)
+
+    async def _send_deltas(self, deltas: list[RequestDelta]) -> None:
+        by_client: dict[bytes, list[RequestDelta]] = defaultdict(list)
+        for d in deltas:
+            owner = self._owner
+            ident = owner.pop(d.request_id, None) if d.finish_reason else owner.get(d.request_id)
+            if ident is not None:
+                by_client[ident].append(d)
+        now = time.time()
+        for ident, ds in by_client.items():
+            await self._send(ident, Outputs(ds, now))

@@ -1,0 +1,33 @@
+"""structlog set-up shared by every process: console or JSON lines, actor bound on each line."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+
+def setup_logging(fmt: str = "console", level: str = "info", **bind: object) -> None:
+    lvl = getattr(logging, level.upper(), logging.INFO)
+    logging.basicConfig(stream=sys.stderr, level=lvl, format="%(message)s")
+    renderer = (
+        structlog.processors.JSONRenderer()
+        if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=False),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(lvl),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    structlog.contextvars.clear_contextvars()
+    if bind:
+        structlog.contextvars.bind_contextvars(**bind)

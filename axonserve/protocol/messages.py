@@ -1,0 +1,234 @@
+"""Every message that crosses a process boundary.
+
+Structs are array-like msgpack (compact, positional), omit defaults (cheap to evolve: add
+fields at the end with a default) and carry an integer tag so one decoder per socket can
+dispatch a tagged union. Tensors never go inside a body: a `TensorRef` names the extra ZMQ
+frame that holds the raw buffer (see `codec.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+
+class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag_field="k"):
+    """Base for wire messages (tag is the first array element)."""
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True):
+    """Per-request decoding parameters, vLLM-compatible names and defaults.
+
+    `temperature == 0` means greedy. `top_k <= 0` and `top_p == 1` disable those filters.
+    `stop` strings are matched by the client side (it detokenizes); the engine checks token ids.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def validate(self) -> "SamplingParams":
+        """Raise ValueError with the offending parameter named; return self."""
+        checks = [
+            (self.n == 1, "n", "only n=1 is supported by the engine (the frontend fans out n>1)"),
+            (self.temperature >= 0.0, "temperature", "must be >= 0"),
+            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (self.top_k >= -1, "top_k", "must be -1, 0 (disabled) or a positive integer"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
+            (self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                "must be <= max_tokens",
+            ),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (all(s for s in self.stop), "stop", "stop strings must be non-empty"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0"),
+        ]
+        for ok, param, why in checks:
+            if not ok:
+                raise ParamError(param, f"{param} {why}")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+
+class ParamError(ValueError):
+    """A request parameter is invalid; `param` names it (OpenAI error `param`)."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+# --------------------------------------------------------------------------- client <-> scheduler
+
+
+class AddRequest(_Msg, tag=1):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0
+
+
+class AbortRequest(_Msg, tag=2):
+    request_ids: list[str]
+
+
+class GetEngineInfo(_Msg, tag=3):
+    """Ask the scheduler for `EngineInfo` (model, limits); a client's first message."""
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Logprob of one sampled token plus the top-N alternatives (raw model distribution)."""
+
+    logprob: float
+    rank: int
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
+class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What changed for one request this step: new tokens only, plus finish info."""
+
+    request_id: str
+    new_token_ids: list[int] = []
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | None = None  # the stop token id that ended it, if any
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class Outputs(_Msg, tag=10):
+    deltas: list[RequestDelta]
+    timestamp: float = 0.0
+
+
+class EngineInfo(_Msg, tag=11):
+    model: str  # resolved model directory (tokenizer and config live there)
+    served_model_name: str
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    max_num_seqs: int
+    eos_token_ids: list[int]
+    vocab_size: int
+    version: str = ""
+
+
+class EngineDead(_Msg, tag=12):
+    """The engine can no longer serve: every in-flight request has been failed."""
+
+    reason: str
+
+
+# --------------------------------------------------------------------------- scheduler <-> workers
+
+
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """First time a worker sees a request (or after preemption): all known tokens."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    params: SamplingParams
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A request the worker already holds: only the blocks added this step."""
+
+    request_id: str
+    new_block_ids: list[int] = []
+
+
+class StepPlan(_Msg, tag=20):
+    """One engine step. Scheduled requests are `new` then `cached`, in that order;
+    `num_scheduled_tokens[i]` tokens starting at the request's computed count.
+    A request samples when its computed count reaches its known token count."""
+
+    step_id: int
+    new: list[NewRequestData] = []
+    cached: list[CachedRequestData] = []
+    num_scheduled_tokens: list[int] = []
+    finished_request_ids: list[str] = []  # finished, aborted or preempted: drop state
+
+
+class StepResult(_Msg, tag=21):
+    """Rank 0's answer: one sampled token per request that reached its end this step."""
+
+    step_id: int
+    request_ids: list[str] = []
+    sampled_token_ids: list[int] = []
+    logprobs: list[TokenLogprobs | None] | None = None  # aligned with request_ids
+    forward_s: float = 0.0
+    error: str | None = None
+
+
+# --------------------------------------------------------------------------- control plane
+
+
+class Hello(_Msg, tag=30):
+    name: str
+    pid: int
+
+
+class Ready(_Msg, tag=31):
+    name: str
+    info: dict[str, int | float | str | list[int]] = {}
+
+
+class Heartbeat(_Msg, tag=32):
+    name: str
+    t: float
+
+
+class Shutdown(_Msg, tag=33):
+    reason: str = ""
+
+
+class ActorFailed(_Msg, tag=34):
+    """Sent by an actor about itself (fatal error) or by the supervisor about a peer."""
+
+    name: str
+    reason: str
+
+
+class Configure(_Msg, tag=35):
+    """Supervisor -> actor after all peers are ready: facts learned at start-up."""
+
+    info: dict[str, int | float | str | list[int]] = {}
+
+
+ClientToEngine = Union[AddRequest, AbortRequest, GetEngineInfo]
+EngineToClient = Union[Outputs, EngineInfo, EngineDead]
+WorkerMsg = Union[StepPlan, Shutdown]
+Control = Union[Hello, Ready, Heartbeat, Shutdown, ActorFailed, Configure]

@@ -1,0 +1,65 @@
+"""Session fixtures: the default model converted from its GGUF, and a tiny random Llama.
+
+The tiny model shares SmolLM2's tokenizer (vocab 49152) so text-level tests run end to end
+through the real loaders in seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """SmolLM2-135M-Instruct as an HF directory (converted once from the shipped GGUF)."""
+    from axonserve.neuron.model_source import resolve_model
+
+    return resolve_model(None)
+
+
+def make_tiny_llama(out_dir: str, tokenizer_dir: str, seed: int = 0, **overrides) -> str:
+    """Random-weight Llama with GQA, saved as safetensors next to a copy of the tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        src = os.path.join(tokenizer_dir, name)
+        if os.path.exists(src) and name != "generation_config.json":
+            shutil.copy(src, os.path.join(out_dir, name))
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> str:
+    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), smollm2_dir)

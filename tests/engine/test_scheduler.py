@@ -1,0 +1,164 @@
+"""Scheduler policy unit tests: budget, chunking, blocks, preemption, stop rules."""
+
+from __future__ import annotations
+
+from axonserve.engine.request import Request, Status
+from axonserve.engine.scheduler import Scheduler, SchedulerConfig
+from axonserve.protocol.messages import SamplingParams, StepPlan, StepResult
+
+EOS = 2
+
+
+def make(num_blocks=64, block_size=4, budget=64, max_seqs=8, max_len=128) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_len,
+            block_size=block_size,
+            num_kv_blocks=num_blocks,
+            vocab_size=100,
+            eos_token_ids=frozenset({EOS}),
+        )
+    )
+
+
+def req(rid, n, **params) -> Request:
+    p = SamplingParams(**{"temperature": 0.0, "max_tokens": 8, **params})
+    return Request(rid, b"c", list(range(10, 10 + n)), p, max_model_len=128)
+
+
+class Worker:
+    """Tracks what a worker would hold, checks plan consistency, samples `next_tok(rid)`."""
+
+    def __init__(self, next_tok=lambda rid, i: 50):
+        self.state: dict[str, dict] = {}
+        self.next_tok = next_tok
+
+    def run(self, plan: StepPlan) -> StepResult:
+        for rid in plan.finished_request_ids:
+            self.state.pop(rid, None)
+        order = []
+        for nr in plan.new:
+            assert nr.request_id not in self.state
+            self.state[nr.request_id] = dict(toks=list(nr.token_ids), c=nr.num_computed_tokens,
+                                             blocks=list(nr.block_ids), np=nr.num_prompt_tokens)
+            order.append(nr.request_id)
+        for cr in plan.cached:
+            self.state[cr.request_id]["blocks"] += cr.new_block_ids
+            order.append(cr.request_id)
+        ids, toks = [], []
+        for rid, n in zip(order, plan.num_scheduled_tokens):
+            s = self.state[rid]
+            s["c"] += n
+            assert s["c"] <= len(s["toks"])
+            assert len(s["blocks"]) * 4 >= s["c"], "tokens scheduled without KV slots"
+            if s["c"] == len(s["toks"]):
+                t = self.next_tok(rid, len(s["toks"]) - s["np"])  # a function of the tokens
+                s["toks"].append(t)
+                ids.append(rid)
+                toks.append(t)
+        return StepResult(plan.step_id, ids, toks)
+
+
+def drive(s: Scheduler, w: Worker, max_steps=200):
+    outs: dict[str, list[int]] = {}
+    finish: dict[str, str] = {}
+    plans = []
+    for _ in range(max_steps):
+        plan = s.schedule()
+        if plan is None:
+            break
+        plans.append(plan)
+        for d in s.update(w.run(plan)):
+            outs.setdefault(d.request_id, []).extend(d.new_token_ids)
+            if d.finish_reason:
+                finish[d.request_id] = d.finish_reason
+    return outs, finish, plans
+
+
+def test_continuous_batching_joins_next_step():
+    s, w = make(), Worker()
+    s.add(req("a", 5))
+    p1 = s.schedule()
+    assert [n.request_id for n in p1.new] == ["a"] and p1.num_scheduled_tokens == [5]
+    s.update(w.run(p1))
+    s.add(req("b", 3))
+    p2 = s.schedule()
+    assert [n.request_id for n in p2.new] == ["b"] and [c.request_id for c in p2.cached] == ["a"]
+    assert p2.num_scheduled_tokens == [3, 1]  # b's prefill and a's decode share the step
+
+
+def test_chunked_prefill_under_budget_and_decode_first():
+    s, w = make(budget=4), Worker()
+    s.add(req("a", 3, max_tokens=20))
+    s.update(w.run(s.schedule()))
+    s.add(req("long", 10))
+    sizes = []
+    for _ in range(4):
+        p = s.schedule()
+        sizes.append(p.num_scheduled_tokens)
+        s.update(w.run(p))
+    # a decodes every step (1 token), long prefills in 3-token chunks behind it
+    assert sizes == [[3, 1], [1, 3], [1, 3], [1, 1]]
+
+
+def test_stop_conditions():
+    toks = {"eos": [5, EOS, 7], "stopid": [5, 9, 7], "len": [5] * 10, "ign": [EOS] * 10,
+            "min": [EOS, EOS, 6, EOS]}
+    s, w = make(), Worker(lambda rid, i: toks[rid][i])
+    s.add(req("eos", 3))
+    s.add(req("stopid", 3, stop_token_ids=[9]))
+    s.add(req("len", 3, max_tokens=4))
+    s.add(req("ign", 3, max_tokens=3, ignore_eos=True))
+    s.add(req("min", 3, min_tokens=3))
+    outs, finish, _ = drive(s, w)
+    assert outs["eos"] == [5, EOS] and finish["eos"] == "stop"
+    assert outs["stopid"] == [5, 9] and finish["stopid"] == "stop"
+    assert outs["len"] == [5] * 4 and finish["len"] == "length"
+    assert outs["ign"] == [EOS] * 3 and finish["ign"] == "length"
+    assert outs["min"] == [EOS, EOS, 6, EOS] and finish["min"] == "stop"
+    assert s.blocks.num_free == s.blocks.num_blocks and not s.requests
+
+
+def test_abort_frees_and_tells_worker():
+    s, w = make(), Worker()
+    s.add(req("a", 6))
+    s.update(w.run(s.schedule()))
+    used = s.blocks.num_free
+    assert [r.request_id for r in s.abort(["a", "a", "zzz"])] == ["a"]
+    assert s.blocks.num_free == s.blocks.num_blocks > used
+    p = s.schedule()
+    assert p.finished_request_ids == ["a"] and not p.new and not p.cached
+
+
+def test_preemption_recomputes_and_loses_nothing():
+    # 6 blocks of 4 slots; three requests of 6 prompt + 8 output tokens cannot all fit
+    s, w = make(num_blocks=6), Worker(lambda rid, i: 20 + i)
+    for rid in "abc":
+        s.add(req(rid, 6, max_tokens=8))
+    outs, finish, plans = drive(s, w)
+    assert s.num_preemptions > 0
+    assert all(outs[r] == list(range(20, 28)) for r in "abc"), outs
+    assert all(finish[r] == "length" for r in "abc")
+    resumed = [n for p in plans for n in p.new if n.num_prompt_tokens < len(n.token_ids)]
+    assert resumed, "a preempted request is resent with its generated tokens"
+    assert s.blocks.num_free == 6
+
+
+def test_rejects_what_can_never_run():
+    s = make(num_blocks=2, max_len=16)
+    assert "maximum context length is 16" in s.check(req("x", 16))
+    assert "KV blocks" in s.check(req("y", 12))
+    assert s.check(req("ok", 5)) is None
+    bad = Request("v", b"c", [5, 100], SamplingParams(), max_model_len=16)
+    assert "vocabulary" in s.check(bad)
+
+
+def test_max_num_seqs_caps_running():
+    s, w = make(max_seqs=2), Worker()
+    for rid in "abc":
+        s.add(req(rid, 2))
+    p = s.schedule()
+    assert len(p.new) == 2 and len(s.waiting) == 1
+    assert all(r.status == Status.RUNNING for r in s.running)
