@@ -63,3 +63,34 @@ def make_tiny_llama(out_dir: str, tokenizer_dir: str, seed: int = 0, **overrides
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> str:
     return make_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """transformers' own load of the same GGUF: the independent reference (slow: ~40 s, once)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from axonserve.neuron.model_source import builtin_smollm2_gguf
+
+    path = builtin_smollm2_gguf()
+    d, f = os.path.dirname(path), os.path.basename(path)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    return model, tok
+
+
+def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
+    """transformers `generate`, greedy, exactly n new tokens (EOS masked like min_tokens=n)."""
+    import torch
+
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids):].tolist()

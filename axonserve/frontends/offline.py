@@ -1,0 +1,140 @@
+"""Offline API in the vLLM style: `LLM(model).generate(prompts, SamplingParams(...))`.
+
+The same engine as the server (scheduler + worker processes under a supervisor), driven
+through the ZMQ client library from a private event loop on a background thread, so the
+caller's code stays synchronous.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from axonserve.config import EngineConfig
+from axonserve.protocol.messages import SamplingParams, TokenLogprobs
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text if self.outputs else ""
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **kwargs: Any):
+        from axonserve.actors.supervisor import Supervisor
+        from axonserve.frontends.client import AsyncEngineClient
+
+        if config is None:
+            from axonserve.neuron.model_source import resolve_model
+
+            name = model or "SmolLM2-135M-Instruct"
+            config = EngineConfig(model=resolve_model(model), served_model_name=name, **kwargs)
+        self.config = config
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="axonserve-llm", daemon=True)
+        self._thread.start()
+        self._sup = Supervisor(config, frontend=False)
+        self._closed = False
+        try:
+            self._call(self._sup.start())
+            self._watch = asyncio.run_coroutine_threadsafe(self._sup.wait(), self._loop)
+            self._client = self._call(AsyncEngineClient.connect(self._sup.addresses.engine))
+        except BaseException:
+            self.shutdown()
+            raise
+        self.tokenizer = self._client.tokenizer
+
+    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt concurrently (continuous batching); outputs in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError("sampling_params must be one or one per prompt")
+        bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm)
+        try:
+            return self._call(self._generate_all(list(prompts), plist, bar))
+        finally:
+            bar.close()
+
+    async def _generate_all(self, prompts: list, plist: list[SamplingParams], bar: tqdm) -> list[RequestOutput]:
+        async def one(i: int, prompt: Any, p: SamplingParams) -> RequestOutput:
+            ids = self._client.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            res = RequestOutput(str(i), prompt if isinstance(prompt, str) else None, ids)
+            choices: dict[int, CompletionOutput] = {}
+            async for out in self._client.generate(ids, p, request_id=f"offline-{id(res)}-{i}"):
+                c = choices.setdefault(out.index, CompletionOutput(out.index, "", [], None))
+                c.text = out.output_text
+                c.token_ids.extend(out.token_ids)
+                if out.logprobs:
+                    c.logprobs = (c.logprobs or []) + list(out.logprobs)
+                if out.finish_reason:
+                    c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+                    if out.finish_reason == "error":
+                        raise RuntimeError(out.error or "generation failed")
+            res.outputs = [choices[k] for k in sorted(choices)]
+            bar.update(1)
+            return res
+
+        return list(await asyncio.gather(*(one(i, pr, p) for i, (pr, p) in enumerate(zip(prompts, plist)))))
+
+    def shutdown(self) -> None:
+        """Stop the engine processes; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.cancel()
+        client = getattr(self, "_client", None)
+        if client is not None:
+            self._loop.call_soon_threadsafe(client.close)
+        try:
+            self._call(self._sup.stop("LLM.shutdown"), timeout=30)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass
