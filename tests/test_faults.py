@@ -1,0 +1,103 @@
+"""Faults end to end: a dying actor fails in-flight requests (no hang), /health turns 503 and
+the launcher exits non-zero; SIGTERM to the launcher leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from frontends.server import health, serve
+
+
+def session_pids(sid: int) -> dict[int, str]:
+    """pid -> cmdline of every live process in session `sid` (the launcher's)."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            out[int(d)] = cmd
+    return out
+
+
+def actor_pid(sid: int, kind: str) -> int:
+    for pid, cmd in session_pids(sid).items():
+        if "axonserve.actors.entry" in cmd and f'"kind":"{kind}"' in cmd:
+            return pid
+    raise AssertionError(f"no {kind} process in session {sid}")
+
+
+def wait_until(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("victim", ["worker", "scheduler"])
+def test_dead_actor_fails_requests_and_health(tiny_llama_dir, victim):
+    with serve(tiny_llama_dir, "--num-kv-blocks", "512", "--max-model-len", "2048") as srv:
+        sid = srv.proc.pid
+        body = {"model": tiny_llama_dir, "prompt": "Once upon a time", "max_tokens": 1900,
+                "ignore_eos": True, "temperature": 0, "stream": True}
+        chunks, error = 0, None
+        t_kill = None
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", srv.base_url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    data = json.loads(line[6:])
+                    if "error" in data:
+                        error = data["error"]
+                        break
+                    chunks += 1
+                    if chunks == 5:
+                        os.kill(actor_pid(sid, victim), signal.SIGKILL)
+                        t_kill = time.monotonic()
+        assert t_kill is not None, "stream ended before the kill"
+        assert error is not None, "the stream must end with an error chunk, not silently"
+        assert time.monotonic() - t_kill < 10
+        assert victim in error["message"] or "engine" in error["message"]
+        # health turns 503 while the launcher flushes errors, then everything stops
+        wait_until(lambda: health(srv.base_url) in (503, None), 10, "/health 503")
+        code = srv.proc.wait(30)
+        assert code != 0
+        wait_until(lambda: not session_pids(sid), 10, "all actor processes to exit")
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_launcher_leaves_no_process(tiny_llama_dir):
+    with serve(tiny_llama_dir, "--num-kv-blocks", "64", "--num-workers", "1") as srv:
+        sid = srv.proc.pid
+        pids = session_pids(sid)
+        assert len(pids) >= 4, pids  # launcher, frontend, scheduler, worker
+        srv.proc.send_signal(signal.SIGTERM)  # only the launcher, not the group
+        assert srv.proc.wait(30) == 0
+        wait_until(lambda: not session_pids(sid), 10, "all actor processes to exit")
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_of_launcher_takes_children_down(tiny_llama_dir):
+    with serve(tiny_llama_dir, "--num-kv-blocks", "64") as srv:
+        sid = srv.proc.pid
+        srv.proc.kill()
+        srv.proc.wait(10)
+        wait_until(lambda: not session_pids(sid), 15, "orphaned actors to exit")
