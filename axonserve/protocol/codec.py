@@ -8,9 +8,13 @@ log and drop, never crash.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence, TypeVar
 
 import msgspec
+
+# Received frames are read-only; tensors built on them are treated as read-only by contract.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 T = TypeVar("T")
 
