@@ -28,6 +28,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kv-cache-memory-fraction", type=float, default=0.1,
                    help="fraction of available memory for the KV pool when --num-kv-blocks is unset")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--max-waiting", type=int, default=0,
+                   help="bound on queued requests; beyond it requests get HTTP 503 (0: unbounded)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     p.add_argument("--num-workers", type=int, default=1, help="worker ranks")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
@@ -50,6 +55,10 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        scheduling_policy=args.scheduling_policy,
+        max_waiting=args.max_waiting,
         dtype=dtype,
         num_workers=args.num_workers,
         threads=args.threads,

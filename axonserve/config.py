@@ -17,6 +17,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_fraction
     kv_cache_memory_fraction: float = 0.1  # of MemAvailable at worker start
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"  # fcfs | priority
+    max_waiting: int = 0  # bound on queued requests (0: unbounded); beyond it -> 503
     dtype: str = "float32"
     num_workers: int = 1  # worker ranks
     seed: int = 0

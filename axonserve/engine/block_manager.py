@@ -1,22 +1,29 @@
-"""Paged KV block accounting (the scheduler's side; tensors live in the workers).
+"""Paged KV block accounting with prefix caching (the scheduler's side; tensors live in workers).
 
-Blocks are fixed-size (`block_size` token slots). A request owns a block table that only
-grows (append-only, so the worker receives just the new ids) until it finishes, is
-aborted or preempted, when every block returns to the free pool at once.
+Blocks hold `block_size` token slots. A full block is named by a chained hash of (parent
+block's hash, its token ids, extra keys such as image hashes), so equal prefixes map to
+equal hash chains. A new request reuses every leading block already cached (refcounted,
+shared read-only) and computes only the rest. Freed blocks keep their hash and stay
+findable in an LRU free list until the pool needs them (lazy eviction), so a finished
+conversation's prefix is still a hit for the next turn. Block tables are append-only.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 from axonserve.engine.request import Request
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # hash -> block id (full, computed blocks)
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
 
     @property
     def num_free(self) -> int:
@@ -25,6 +32,40 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / max(self.num_blocks, 1)
+
+    # ------------------------------------------------------------------ hashing
+
+    def update_hashes(self, req: Request) -> None:
+        """Extend `req.block_hashes` over every full block of its known tokens."""
+        bs, hashes, toks = self.block_size, req.block_hashes, req.token_ids
+        while (len(hashes) + 1) * bs <= len(toks):
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash((parent, tuple(toks[i * bs : (i + 1) * bs]), req.extra_keys)))
+
+    # ------------------------------------------------------------------ allocation
+
+    def match_prefix(self, req: Request) -> int:
+        """Attach the longest cached prefix to a request with no blocks; returns tokens hit.
+
+        At most `num_tokens - 1` tokens: the last one is recomputed to get logits."""
+        if not self.enable_prefix_caching or req.block_ids:
+            return 0
+        self.update_hashes(req)
+        limit = (req.num_tokens - 1) // self.block_size
+        for h in req.block_hashes[:limit]:
+            bid = self.cached.get(h)
+            if bid is None:
+                break
+            if self.ref_cnt[bid] == 0:
+                del self._free[bid]
+            self.ref_cnt[bid] += 1
+            req.block_ids.append(bid)
+        req.num_cached_blocks = len(req.block_ids)
+        return len(req.block_ids) * self.block_size
+
     def ensure(self, req: Request, num_tokens: int) -> bool:
         """Grow `req.block_ids` to hold `num_tokens` slots; False (nothing taken) if short."""
         need = self.blocks_needed(num_tokens) - len(req.block_ids)
@@ -32,13 +73,40 @@ class BlockManager:
             return True
         if need > len(self._free):
             return False
-        req.block_ids.extend(self._free.popleft() for _ in range(need))
+        for _ in range(need):
+            bid, _ = self._free.popitem(last=False)
+            h = self.block_hash[bid]
+            if h is not None:  # evict: this block's old content is gone
+                if self.cached.get(h) == bid:
+                    del self.cached[h]
+                self.block_hash[bid] = None
+            self.ref_cnt[bid] = 1
+            req.block_ids.append(bid)
         return True
 
+    def cache_computed(self, req: Request) -> None:
+        """Publish the request's full blocks whose KV has been computed (after a step)."""
+        if not self.enable_prefix_caching:
+            return
+        self.update_hashes(req)
+        full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
+        for i in range(req.num_cached_blocks, full):
+            bid, h = req.block_ids[i], req.block_hashes[i]
+            if self.block_hash[bid] is None:
+                self.block_hash[bid] = h
+                self.cached.setdefault(h, bid)  # a duplicate computed concurrently stays private
+        req.num_cached_blocks = max(req.num_cached_blocks, full)
+
     def free(self, req: Request) -> None:
-        self._free.extend(reversed(req.block_ids))
+        """Return the request's blocks; tail blocks first in LRU order (evicted first)."""
+        for bid in reversed(req.block_ids):
+            self.ref_cnt[bid] -= 1
+            if self.ref_cnt[bid] == 0:
+                self._free[bid] = None
         req.block_ids = []
         req.num_blocks_sent = 0
+        req.num_cached_blocks = 0
 
-    def usage(self) -> float:
-        return 1.0 - len(self._free) / max(self.num_blocks, 1)
+    def reset_prefix_cache(self) -> None:
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks

@@ -37,6 +37,10 @@ class Request:
         "stop_reason",
         "sent_to_worker",
         "num_blocks_sent",
+        "block_hashes",
+        "num_cached_blocks",
+        "num_cached_tokens",
+        "extra_keys",
         "first_token_time",
     )
 
@@ -68,6 +72,10 @@ class Request:
         self.stop_reason: int | None = None
         self.sent_to_worker = False  # the worker holds state for it (cleared on preemption)
         self.num_blocks_sent = 0  # block ids the worker already has
+        self.block_hashes: list[int] = []  # chained hashes of full blocks of token_ids
+        self.num_cached_blocks = 0  # leading blocks published to the prefix cache
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.extra_keys: tuple = ()  # e.g. image hashes: part of every block hash
         self.first_token_time: float | None = None
 
     @property

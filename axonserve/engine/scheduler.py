@@ -1,15 +1,18 @@
 """Continuous-batching scheduler policy (pure Python, no I/O).
 
 Each step: running requests first (decode-first, so streams keep flowing), then waiting
-ones while the token budget, the sequence cap and free KV blocks allow. A prompt larger
-than the remaining budget is split (chunked prefill). When blocks run out, the
-lowest-priority running request is preempted (blocks freed, recomputed later).
+ones while the token budget, the sequence cap and free KV blocks allow. A waiting request
+first takes every cached leading block (prefix caching). A prompt larger than the remaining
+budget is split (chunked prefill) or, with chunking off, waits for a step with room. When
+blocks run out, the lowest-priority running request is preempted (blocks freed, recomputed
+later — cheaply, since its blocks stay in the prefix cache until reused).
 The plan sent to workers is a diff: new requests in full, known ones only their new blocks.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
+import itertools
 from dataclasses import dataclass
 
 from axonserve.engine.block_manager import BlockManager
@@ -32,18 +35,31 @@ class SchedulerConfig:
     num_kv_blocks: int
     vocab_size: int
     eos_token_ids: frozenset[int]
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # fcfs | priority (lower value runs first, as in vLLM)
 
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig):
         self.cfg = cfg
-        self.blocks = BlockManager(cfg.num_kv_blocks, cfg.block_size)
+        self.blocks = BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting: list[Request] = []  # sorted by _order_key
         self.running: list[Request] = []
         self._to_drop: list[str] = []  # worker state to discard at the next step
+        self._in_flight: list[Request] = []  # scheduled in the last plan
         self._step_id = 0
+        self._seq = itertools.count()
+        self._order: dict[str, tuple] = {}
         self.num_preemptions = 0
+        self.prefix_queries = 0  # tokens looked up in the prefix cache at admission
+        self.prefix_hits = 0  # of which found cached
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    def _order_key(self, req: Request) -> tuple:
+        return self._order[req.request_id]
 
     # ------------------------------------------------------------------ intake
 
@@ -61,6 +77,11 @@ class Scheduler:
             )
         if any(t < 0 or t >= cfg.vocab_size for t in req.token_ids):
             return f"prompt contains token ids outside the vocabulary [0, {cfg.vocab_size})"
+        if not cfg.enable_chunked_prefill and n > cfg.max_num_batched_tokens:
+            return (
+                f"prompt has {n} tokens, more than max_num_batched_tokens "
+                f"({cfg.max_num_batched_tokens}) with chunked prefill disabled"
+            )
         if self.blocks.blocks_needed(n + 1) > cfg.num_kv_blocks:
             return (
                 f"prompt needs {self.blocks.blocks_needed(n + 1)} KV blocks but the pool "
@@ -70,7 +91,10 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        prio = req.priority if self.cfg.policy == "priority" else 0
+        self._order[req.request_id] = (prio, next(self._seq))
+        bisect.insort(self.waiting, req, key=self._order_key)
+        self.prompt_tokens += req.num_prompt_tokens
 
     def abort(self, request_ids: list[str]) -> list[Request]:
         """Finish the named requests now (idempotent); returns the ones that were live."""
@@ -131,10 +155,24 @@ class Scheduler:
             if len(self.running) >= cfg.max_num_seqs:
                 break
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.blocks.ensure(req, req.num_computed_tokens + n):
+            first_time = req.status == Status.WAITING
+            hit = self.blocks.match_prefix(req)
+            req.num_computed_tokens = hit
+            n = req.num_tokens - hit
+            if n > budget and not cfg.enable_chunked_prefill:
+                self.blocks.free(req)
                 break
-            self.waiting.popleft()
+            n = min(n, budget)
+            if not self.blocks.ensure(req, hit + n):
+                self.blocks.free(req)
+                req.num_computed_tokens = 0
+                break
+            if first_time:
+                req.num_cached_tokens = hit
+            if cfg.enable_prefix_caching:
+                self.prefix_queries += req.num_tokens
+                self.prefix_hits += hit
+            self.waiting.pop(0)
             req.status = Status.RUNNING
             self.running.append(req)
             scheduled.append((req, n))
@@ -167,6 +205,7 @@ class Scheduler:
                 cached_n.append(n)
             req.num_blocks_sent = len(req.block_ids)
             req.num_computed_tokens += n
+        self._in_flight = [r for r, _ in scheduled]
         self._step_id += 1
         plan = StepPlan(
             step_id=self._step_id,
@@ -180,6 +219,10 @@ class Scheduler:
 
     def update(self, result: StepResult) -> list[RequestDelta]:
         """Apply sampled tokens; return the deltas to send (finished ones included)."""
+        for req in self._in_flight:
+            if req.status == Status.RUNNING:
+                self.blocks.cache_computed(req)
+        self._in_flight = []
         deltas = []
         lps = result.logprobs
         for i, (rid, tok) in enumerate(zip(result.request_ids, result.sampled_token_ids)):
@@ -187,11 +230,13 @@ class Scheduler:
             if req is None or req.status != Status.RUNNING:  # aborted or preempted meanwhile
                 continue
             done = req.append_token(tok, self.cfg.eos_token_ids)
+            self.generation_tokens += 1
             delta = RequestDelta(
                 request_id=rid,
                 new_token_ids=[tok],
                 logprobs=[lps[i]] if lps is not None and lps[i] is not None else None,
                 num_prompt_tokens=req.num_prompt_tokens,
+                num_cached_tokens=req.num_cached_tokens,
             )
             if done:
                 delta.finish_reason, delta.stop_reason = req.finish_reason, req.stop_reason
@@ -202,8 +247,8 @@ class Scheduler:
     # ------------------------------------------------------------------ internals
 
     def _pick_victim(self) -> Request:
-        """Lowest priority (largest `priority` value), latest arrival among equals."""
-        return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        """Lowest priority (largest key: priority value, then latest arrival)."""
+        return max(self.running, key=self._order_key)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -213,7 +258,7 @@ class Scheduler:
             req.sent_to_worker = False
         req.num_computed_tokens = 0
         req.status = Status.PREEMPTED
-        self.waiting.appendleft(req)
+        bisect.insort(self.waiting, req, key=self._order_key)  # ahead of later arrivals
         self.num_preemptions += 1
 
     def _finish(self, req: Request) -> None:
@@ -226,3 +271,17 @@ class Scheduler:
         self.blocks.free(req)
         req.status = Status.FINISHED
         self.requests.pop(req.request_id, None)
+        self._order.pop(req.request_id, None)
+
+    def stats(self) -> dict[str, int | float]:
+        return dict(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.blocks.usage(),
+            prefix_cache_queries=self.prefix_queries,
+            prefix_cache_hits=self.prefix_hits,
+            num_preemptions=self.num_preemptions,
+            num_steps=self._step_id,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+        )

@@ -25,7 +25,9 @@ from axonserve.protocol.messages import (
     AddRequest,
     EngineDead,
     EngineInfo,
+    EngineStats,
     GetEngineInfo,
+    GetStats,
     Outputs,
     ParamError,
     RequestDelta,
@@ -49,6 +51,10 @@ class SchedulerActor(Actor):
         info = await asyncio.wait_for(self.configured, self.config.ready_timeout_s)
         await self._wait_subscribers(self.config.num_workers)
         max_len = int(info["max_model_len"])
+        pool_tokens = int(info["num_kv_blocks"]) * self.config.block_size
+        if pool_tokens < max_len:  # one sequence must always fit, or preemption cannot help
+            self.log.warning("max_model_len_clamped", max_model_len=max_len, kv_pool_tokens=pool_tokens)
+            max_len = pool_tokens
         self.sched = Scheduler(
             SchedulerConfig(
                 max_num_seqs=self.config.max_num_seqs,
@@ -58,6 +64,9 @@ class SchedulerActor(Actor):
                 num_kv_blocks=int(info["num_kv_blocks"]),
                 vocab_size=int(info["vocab_size"]),
                 eos_token_ids=frozenset(info["eos_token_ids"]),  # type: ignore[arg-type]
+                enable_prefix_caching=self.config.enable_prefix_caching,
+                enable_chunked_prefill=self.config.enable_chunked_prefill,
+                policy=self.config.scheduling_policy,
             )
         )
         self.engine_info = EngineInfo(
@@ -72,6 +81,7 @@ class SchedulerActor(Actor):
             version=__version__,
         )
         self.clients: set[bytes] = set()
+        self.num_rejected_overload = 0
         self._owner: dict[str, bytes] = {}  # request id -> client identity
         self.dead_reason: str | None = None
         self._dead = asyncio.Event()
@@ -117,17 +127,25 @@ class SchedulerActor(Actor):
                 aborted = self.sched.abort(msg.request_ids)
                 if aborted:
                     await self._send_deltas([self._final(r) for r in aborted])
+            elif isinstance(msg, GetStats):
+                await self._send(ident, self._stats())
             elif isinstance(msg, GetEngineInfo):
                 await self._send(ident, self.engine_info)
                 if self.dead_reason is not None:
                     await self._send(ident, EngineDead(self.dead_reason))
 
     async def _add(self, ident: bytes, msg: AddRequest) -> None:
-        def reject(why: str) -> RequestDelta:
-            return RequestDelta(msg.request_id, finish_reason="error", error=why)
+        def reject(why: str, code: int = 400) -> RequestDelta:
+            return RequestDelta(msg.request_id, finish_reason="error", error=why, error_code=code)
 
         if self.dead_reason is not None:
-            await self._send(ident, Outputs([reject(f"engine is dead: {self.dead_reason}")]))
+            await self._send(ident, Outputs([reject(f"engine is dead: {self.dead_reason}", 503)]))
+            return
+        limit = self.config.max_waiting
+        if limit and len(self.sched.waiting) >= limit:
+            self.num_rejected_overload += 1
+            await self._send(ident, Outputs([reject(
+                f"server overloaded: {limit} requests already waiting; retry later", 503)]))
             return
         try:
             msg.params.validate()
@@ -150,6 +168,9 @@ class SchedulerActor(Actor):
         self.sched.add(req)
         self._owner[req.request_id] = ident
         self._work.set()
+
+    def _stats(self) -> EngineStats:
+        return EngineStats(num_rejected_overload=self.num_rejected_overload, **self.sched.stats())
 
     # ------------------------------------------------------------------ steps
 
@@ -230,6 +251,8 @@ class SchedulerActor(Actor):
             finish_reason=req.finish_reason or "abort",
             error=error,
             num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            error_code=500 if error else 0,
         )
 
     async def _send(self, ident: bytes, msg) -> None:

@@ -104,6 +104,10 @@ class GetEngineInfo(_Msg, tag=3):
     """Ask the scheduler for `EngineInfo` (model, limits); a client's first message."""
 
 
+class GetStats(_Msg, tag=4):
+    """Ask the scheduler for an `EngineStats` snapshot."""
+
+
 class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Logprob of one sampled token plus the top-N alternatives (raw model distribution)."""
 
@@ -124,6 +128,7 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     error: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    error_code: int = 0  # HTTP-style status for errors: 400 bad request, 503 overloaded, 500
 
 
 class Outputs(_Msg, tag=10):
@@ -141,6 +146,21 @@ class EngineInfo(_Msg, tag=11):
     eos_token_ids: list[int]
     vocab_size: int
     version: str = ""
+
+
+class EngineStats(_Msg, tag=13):
+    """Scheduler counters and gauges (cumulative counters since start)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # prompt tokens found
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_rejected_overload: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
 
 
 class EngineDead(_Msg, tag=12):
@@ -228,7 +248,7 @@ class Configure(_Msg, tag=35):
     info: dict[str, int | float | str | list[int]] = {}
 
 
-ClientToEngine = Union[AddRequest, AbortRequest, GetEngineInfo]
-EngineToClient = Union[Outputs, EngineInfo, EngineDead]
+ClientToEngine = Union[AddRequest, AbortRequest, GetEngineInfo, GetStats]
+EngineToClient = Union[Outputs, EngineInfo, EngineDead, EngineStats]
 WorkerMsg = Union[StepPlan, Shutdown]
 Control = Union[Hello, Ready, Heartbeat, Shutdown, ActorFailed, Configure]

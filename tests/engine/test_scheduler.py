@@ -9,7 +9,7 @@ from axonserve.protocol.messages import SamplingParams, StepPlan, StepResult
 EOS = 2
 
 
-def make(num_blocks=64, block_size=4, budget=64, max_seqs=8, max_len=128) -> Scheduler:
+def make(num_blocks=64, block_size=4, budget=64, max_seqs=8, max_len=128, **kw) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
             max_num_seqs=max_seqs,
@@ -19,13 +19,15 @@ def make(num_blocks=64, block_size=4, budget=64, max_seqs=8, max_len=128) -> Sch
             num_kv_blocks=num_blocks,
             vocab_size=100,
             eos_token_ids=frozenset({EOS}),
+            **kw,
         )
     )
 
 
-def req(rid, n, **params) -> Request:
+def req(rid, n, prefix=(), priority=0, **params) -> Request:
     p = SamplingParams(**{"temperature": 0.0, "max_tokens": 8, **params})
-    return Request(rid, b"c", list(range(10, 10 + n)), p, max_model_len=128)
+    toks = list(prefix) + list(range(10, 10 + n))
+    return Request(rid, b"c", toks, p, max_model_len=128, priority=priority)
 
 
 class Worker:
@@ -162,3 +164,58 @@ def test_max_num_seqs_caps_running():
     p = s.schedule()
     assert len(p.new) == 2 and len(s.waiting) == 1
     assert all(r.status == Status.RUNNING for r in s.running)
+
+
+def test_prefix_cache_reuses_full_blocks_and_recomputes_last_token():
+    s, w = make(block_size=4), Worker()
+    shared = list(range(60, 72))  # 3 full blocks
+    s.add(req("a", 2, prefix=shared))  # 14 tokens
+    drive(s, w)
+    s.add(req("b", 3, prefix=shared))  # same 3 leading blocks
+    p = s.schedule()
+    (nb,) = p.new
+    assert nb.num_computed_tokens == 12 and p.num_scheduled_tokens == [3]
+    s.update(w.run(p))
+    assert s.prefix_hits == 12
+    # whole prompt cached: the last token is still recomputed for its logits
+    s.add(req("c", 0, prefix=shared))
+    p = s.schedule()
+    assert p.new[-1].num_computed_tokens == 8 and p.num_scheduled_tokens[len(p.new) - 1] == 4
+
+
+def test_prefix_cache_off_and_eviction_under_pressure():
+    s, w = make(block_size=4, enable_prefix_caching=False), Worker()
+    s.add(req("a", 8))
+    drive(s, w)
+    s.add(req("b", 8))
+    assert s.schedule().new[0].num_computed_tokens == 0
+    # on: a freed cached block is reused (evicted) when the pool runs short
+    s, w = make(num_blocks=4, block_size=4), Worker()
+    s.add(req("a", 8, max_tokens=1))
+    drive(s, w)
+    s.add(req("b", 12, prefix=[99] * 3, max_tokens=1))  # needs all 4 blocks
+    outs, finish, _ = drive(s, w)
+    assert finish["b"] == "length"
+    s.add(req("a2", 8, max_tokens=1))
+    assert s.schedule().new[0].num_computed_tokens == 0  # a's blocks were evicted
+
+
+def test_priority_policy_orders_waiting_and_picks_victim():
+    s, w = make(max_seqs=1, policy="priority"), Worker()
+    s.add(req("low", 2, priority=5))
+    s.add(req("high", 2, priority=-1))
+    assert [n.request_id for n in s.schedule().new] == ["high"]
+    s2 = make(num_blocks=5, policy="priority")
+    s2.add(req("low", 6, priority=5, max_tokens=8))
+    s2.add(req("high", 6, priority=0, max_tokens=8))
+    outs, finish, _ = drive(s2, Worker(lambda rid, i: 20 + i))
+    assert outs["low"] == outs["high"] == list(range(20, 28))
+
+
+def test_chunked_prefill_off_waits_for_room():
+    s, w = make(budget=8, enable_chunked_prefill=False), Worker()
+    assert "chunked prefill disabled" in s.check(req("huge", 9))
+    s.add(req("a", 6))
+    s.add(req("b", 6))
+    p = s.schedule()
+    assert p.num_scheduled_tokens == [6]  # b does not fit the rest of the budget: no split
