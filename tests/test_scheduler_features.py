@@ -100,3 +100,37 @@ async def test_outputs_identical_under_each_feature(tiny_llama_dir, reference, c
         assert stats.prefix_cache_hits == 0
     if "tiny_pool" in case:
         assert stats.num_preemptions > 0, stats
+
+
+@pytest.mark.timeout(300)
+async def test_decodes_progress_during_a_long_chunked_prefill(tiny_llama_dir):
+    """A 1,800-token prompt prefills in 64-token chunks while a running stream keeps decoding."""
+    sup = Supervisor(EngineConfig(model=tiny_llama_dir, num_kv_blocks=600, block_size=4,
+                                  max_num_batched_tokens=64, log_level="warning"), frontend=False)
+    await sup.start()
+    client = await AsyncEngineClient.connect(sup.addresses.engine, timeout=60)
+    try:
+        events: list[str] = []
+        long_prompt = [random.Random(2).randrange(3, 49152) for _ in range(1800)]
+        started = asyncio.Event()
+
+        async def streamer():
+            p = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+            async for out in client.generate([5, 6, 7], p):
+                events.append("a")
+                if len(events) == 3:
+                    started.set()
+
+        async def long_one():
+            await started.wait()
+            events.append("B-submitted")
+            async for out in client.generate(long_prompt, SamplingParams(temperature=0, max_tokens=2)):
+                events.append("B")
+
+        await asyncio.wait_for(asyncio.gather(streamer(), long_one()), 240)
+    finally:
+        client.close()
+        await sup.stop("test done")
+    during = events[events.index("B-submitted"):events.index("B")]
+    # 1800/64 ≈ 29 prefill steps, each also decoding the running stream (decode first)
+    assert during.count("a") >= 20, during.count("a")
