@@ -121,8 +121,12 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.set_defaults(func=cmd_generate)
+    from axonserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     args = parser.parse_args(argv)
-    setup_logging(args.log_format, args.log_level, actor="launcher")
+    setup_logging(getattr(args, "log_format", "console"), getattr(args, "log_level", "info"),
+                  actor="launcher")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         code = args.func(args)

@@ -44,6 +44,8 @@ class Addresses(msgspec.Struct, kw_only=True):
     engine: str  # scheduler ROUTER (clients connect DEALERs)
     plan: str  # scheduler XPUB -> worker SUBs
     result: str  # worker rank 0 PUSH -> scheduler PULL
+    stats: str = ""  # every actor PUSH (non-blocking) -> metrics actor PULL
+    metrics: str = ""  # metrics actor ROUTER: GetMetrics -> MetricsText
     dist_init: str = ""  # torch.distributed init_method for worker ranks (tcp://host:port)
 
     @classmethod
@@ -53,6 +55,8 @@ class Addresses(msgspec.Struct, kw_only=True):
             engine=f"ipc://{d}/engine",
             plan=f"ipc://{d}/plan",
             result=f"ipc://{d}/result",
+            stats=f"ipc://{d}/stats",
+            metrics=f"ipc://{d}/metrics",
             dist_init=f"tcp://127.0.0.1:{dist_port}" if dist_port else "",
         )
 

@@ -68,16 +68,32 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> str:
 @pytest.fixture(scope="session")
 def hf_smollm2():
     """transformers' own load of the same GGUF: the independent reference (slow: ~40 s, once)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from axonserve.neuron.model_source import builtin_smollm2_gguf
 
     path = builtin_smollm2_gguf()
     d, f = os.path.dirname(path), os.path.basename(path)
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
-    return model, tok
+    return transformers_gguf_model(path), AutoTokenizer.from_pretrained(d, gguf_file=f)
+
+
+def transformers_gguf_model(path: str):
+    """transformers' own GGUF reading (config, dequantization, Q/K un-permute) into its Llama.
+
+    Same code path as `from_pretrained(..., gguf_file=...)`, minus that entry point's
+    dependency on `accelerate`, which this project does not need otherwise.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    cfg = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    result = model.load_state_dict(tensors, strict=False)
+    model.tie_weights()
+    assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}, result
+    return model.eval()
 
 
 def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:

@@ -40,6 +40,10 @@ def actor_class(kind: str):
         from axonserve.neuron.worker import WorkerActor
 
         return WorkerActor
+    if kind == "metrics":
+        from axonserve.actors.metrics import MetricsActor
+
+        return MetricsActor
     if kind == "frontend":
         from axonserve.frontends.openai.actor import FrontendActor
 

@@ -21,6 +21,7 @@ import zmq.asyncio
 from axonserve.config import ActorSpec
 from axonserve.protocol import Codec, Control, DecodeError
 from axonserve.protocol.messages import (
+    ActorAlive,
     ActorFailed,
     Configure,
     Heartbeat,
@@ -45,6 +46,13 @@ class Actor:
         self.stopping = asyncio.Event()
         self.configured: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._control = self.socket(zmq.DEALER, self.addresses.control, identity=self.name.encode())
+        self._stats: zmq.Socket | None = None  # sync socket: NOBLOCK sends return at once
+        if self.addresses.stats:
+            self._stats = zmq.Context.shadow(self.ctx.underlying).socket(zmq.PUSH)
+            self._stats.setsockopt(zmq.LINGER, 0)
+            self._stats.setsockopt(zmq.SNDHWM, 10_000)
+            self._stats.connect(self.addresses.stats)
+        self.stats_dropped = 0
 
     # ------------------------------------------------------------------ overridables
 
@@ -80,6 +88,15 @@ class Actor:
         else:
             s.connect(address)
         return s
+
+    def publish(self, event: Any) -> None:
+        """Send a stats event without ever waiting: under back-pressure it is dropped, counted."""
+        if self._stats is None:
+            return
+        try:
+            self._stats.send_multipart(Codec.encode(event), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.stats_dropped += 1
 
     async def send_control(self, msg: Any) -> None:
         await self._control.send_multipart(Codec.encode(msg), copy=False)
@@ -125,8 +142,15 @@ class Actor:
                 await asyncio.wait_for(self.teardown(), 5.0)
             except Exception:  # noqa: BLE001
                 self.log.exception("teardown_failed")
-            self.ctx.destroy(linger=1000)
+            self.close()
         return code
+
+    def close(self) -> None:
+        """Close every socket and the context (the sync stats socket is not tracked by it)."""
+        if self._stats is not None:
+            self._stats.close(linger=0)
+            self._stats = None
+        self.ctx.destroy(linger=1000)
 
     async def _control_loop(self) -> None:
         while True:
@@ -152,8 +176,10 @@ class Actor:
                 self.log.warning("unexpected_control_message", type=type(msg).__name__)
 
     async def _heartbeat_loop(self) -> None:
+        pid = os.getpid()
         while True:
             await self.send_control(Heartbeat(self.name, time.time()))
+            self.publish(ActorAlive(self.name, pid, self.stats_dropped))
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
 

@@ -92,6 +92,8 @@ class Supervisor:
         ]
         specs.append(ActorSpec(kind="scheduler", name="scheduler", config=self.config,
                                addresses=self.addresses))
+        specs.append(ActorSpec(kind="metrics", name="metrics", config=self.config,
+                               addresses=self.addresses))
         if self.with_frontend:
             specs.append(ActorSpec(kind="frontend", name="frontend", config=self.config,
                                    addresses=self.addresses))

@@ -41,7 +41,10 @@ class Request:
         "num_cached_blocks",
         "num_cached_tokens",
         "extra_keys",
-        "first_token_time",
+        "t_arrival",
+        "t_scheduled",
+        "t_first",
+        "t_last",
     )
 
     def __init__(
@@ -76,7 +79,11 @@ class Request:
         self.num_cached_blocks = 0  # leading blocks published to the prefix cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.extra_keys: tuple = ()  # e.g. image hashes: part of every block hash
-        self.first_token_time: float | None = None
+        # monotonic timestamps in the scheduler (for latency metrics)
+        self.t_arrival = time.monotonic()
+        self.t_scheduled: float | None = None
+        self.t_first: float | None = None
+        self.t_last: float | None = None
 
     @property
     def num_tokens(self) -> int:

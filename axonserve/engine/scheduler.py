@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from dataclasses import dataclass
 
 from axonserve.engine.block_manager import BlockManager
@@ -21,6 +22,7 @@ from axonserve.protocol.messages import (
     CachedRequestData,
     NewRequestData,
     RequestDelta,
+    RequestStats,
     StepPlan,
     StepResult,
 )
@@ -57,6 +59,10 @@ class Scheduler:
         self.prefix_hits = 0  # of which found cached
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        # latency observations since the caller last drained them (for the stats bus)
+        self.ttft: list[float] = []
+        self.itl: list[float] = []
+        self.finished_stats: list[RequestStats] = []
 
     def _order_key(self, req: Request) -> tuple:
         return self._order[req.request_id]
@@ -169,6 +175,7 @@ class Scheduler:
                 break
             if first_time:
                 req.num_cached_tokens = hit
+                req.t_scheduled = time.monotonic()
             if cfg.enable_prefix_caching:
                 self.prefix_queries += req.num_tokens
                 self.prefix_hits += hit
@@ -224,6 +231,7 @@ class Scheduler:
                 self.blocks.cache_computed(req)
         self._in_flight = []
         deltas = []
+        now = time.monotonic()
         lps = result.logprobs
         for i, (rid, tok) in enumerate(zip(result.request_ids, result.sampled_token_ids)):
             req = self.requests.get(rid)
@@ -231,6 +239,12 @@ class Scheduler:
                 continue
             done = req.append_token(tok, self.cfg.eos_token_ids)
             self.generation_tokens += 1
+            if req.t_first is None:
+                req.t_first = now
+                self.ttft.append(now - req.t_arrival)
+            else:
+                self.itl.append(now - (req.t_last or now))
+            req.t_last = now
             delta = RequestDelta(
                 request_id=rid,
                 new_token_ids=[tok],
@@ -271,6 +285,19 @@ class Scheduler:
         self.blocks.free(req)
         req.status = Status.FINISHED
         self.requests.pop(req.request_id, None)
+        now = time.monotonic()
+        start = req.t_scheduled or now
+        self.finished_stats.append(RequestStats(
+            finish_reason=req.finish_reason or "abort",
+            e2e_s=now - req.t_arrival,
+            queue_s=start - req.t_arrival,
+            prompt_tokens=req.num_prompt_tokens,
+            generation_tokens=req.num_output_tokens,
+            cached_tokens=req.num_cached_tokens,
+            prefill_s=(req.t_first or now) - start,
+            decode_s=now - (req.t_first or now),
+            max_tokens=req.params.max_tokens or 0,
+        ))
         self._order.pop(req.request_id, None)
 
     def stats(self) -> dict[str, int | float]:

@@ -33,6 +33,7 @@ from axonserve.protocol.messages import (
     RequestDelta,
     StepPlan,
     StepResult,
+    StepStats,
 )
 
 _client_codec = Codec(ClientToEngine)
@@ -82,6 +83,7 @@ class SchedulerActor(Actor):
         )
         self.clients: set[bytes] = set()
         self.num_rejected_overload = 0
+        self._last_counters = (0, 0, 0, 0, 0)
         self._owner: dict[str, bytes] = {}  # request id -> client identity
         self.dead_reason: str | None = None
         self._dead = asyncio.Event()
@@ -176,6 +178,7 @@ class SchedulerActor(Actor):
 
     async def _step_loop(self) -> None:
         while self.dead_reason is None:
+            t0 = time.perf_counter()
             plan = self.sched.schedule() if self.sched.has_work else None
             if plan is None:
                 self._work.clear()
@@ -184,13 +187,39 @@ class SchedulerActor(Actor):
                 else:
                     await self._work.wait()
                 continue
+            t1 = time.perf_counter()
             await self.pub.send_multipart(Codec.encode(plan), copy=False)
             result = await self._await_result(plan)
             if result is None:
                 return
+            t2 = time.perf_counter()
             deltas = self.sched.update(result)
             if deltas:
                 await self._send_deltas(deltas)
+            self._publish_step(plan, result, t1 - t0, t2 - t1, time.perf_counter() - t2)
+
+    def _publish_step(self, plan: StepPlan, result: StepResult, sched_s: float, rt_s: float,
+                      update_s: float) -> None:
+        """Stats for the metrics actor: gauges now, counters as deltas since the last step."""
+        s = self.sched
+        cur = (s.prompt_tokens, s.generation_tokens, s.num_preemptions, s.prefix_queries,
+               s.prefix_hits)
+        d = [a - b for a, b in zip(cur, self._last_counters)]
+        self._last_counters = cur
+        self.publish(StepStats(
+            num_running=len(s.running), num_waiting=len(s.waiting),
+            kv_cache_usage=s.blocks.usage(),
+            num_seqs=len(plan.num_scheduled_tokens), num_tokens=sum(plan.num_scheduled_tokens),
+            prompt_tokens=d[0], generation_tokens=d[1], num_preemptions=d[2],
+            prefix_cache_queries=d[3], prefix_cache_hits=d[4],
+            schedule_s=sched_s, roundtrip_s=rt_s, forward_s=result.forward_s,
+            sample_s=result.sample_s, update_s=update_s,
+            ttft_s=s.ttft, itl_s=s.itl, dropped=self.stats_dropped,
+        ))
+        s.ttft, s.itl = [], []
+        for ev in s.finished_stats:
+            self.publish(ev)
+        s.finished_stats = []
 
     async def _await_result(self, plan: StepPlan) -> StepResult | None:
         recv = asyncio.ensure_future(self.pull.recv_multipart(copy=False))

@@ -210,6 +210,7 @@ class StepResult(_Msg, tag=21):
     sampled_token_ids: list[int] = []
     logprobs: list[TokenLogprobs | None] | None = None  # aligned with request_ids
     forward_s: float = 0.0
+    sample_s: float = 0.0
     error: str | None = None
 
 
@@ -247,6 +248,65 @@ class Configure(_Msg, tag=35):
 
     info: dict[str, int | float | str | list[int]] = {}
 
+
+# --------------------------------------------------------------------------- stats bus
+
+
+class StepStats(_Msg, tag=40):
+    """One scheduler step (published after the step, dropped under back-pressure).
+    Counters are deltas since the previous event; gauges are current values."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_seqs: int = 0
+    num_tokens: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    schedule_s: float = 0.0  # building the plan
+    roundtrip_s: float = 0.0  # plan sent -> result received
+    forward_s: float = 0.0  # worker: model forward
+    sample_s: float = 0.0  # worker: sampling
+    update_s: float = 0.0  # applying the result, building deltas
+    ttft_s: list[float] = []  # requests that got their first token this step
+    itl_s: list[float] = []  # gaps before the other tokens of this step
+    dropped: int = 0  # earlier stats events this publisher dropped
+
+
+class RequestStats(_Msg, tag=41):
+    """A request finished (any reason)."""
+
+    finish_reason: str
+    e2e_s: float
+    queue_s: float
+    prompt_tokens: int
+    generation_tokens: int
+    cached_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    max_tokens: int = 0
+
+
+class ActorAlive(_Msg, tag=42):
+    """Periodic liveness on the stats bus (every actor, with its heartbeat)."""
+
+    actor: str
+    pid: int
+    dropped: int = 0
+
+
+class GetMetrics(_Msg, tag=43):
+    """Ask the metrics actor for the Prometheus text exposition."""
+
+
+class MetricsText(_Msg, tag=44):
+    text: str
+
+
+StatsEvent = Union[StepStats, RequestStats, ActorAlive]
 
 ClientToEngine = Union[AddRequest, AbortRequest, GetEngineInfo, GetStats]
 EngineToClient = Union[Outputs, EngineInfo, EngineDead, EngineStats]

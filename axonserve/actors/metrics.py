@@ -1,0 +1,158 @@
+"""Metrics actor: aggregates every actor's stats events into Prometheus metrics.
+
+Actors push events without waiting (dropped and counted under back-pressure), so metrics
+never slow a step loop. Names follow vLLM's (`vllm:*`) so existing Grafana dashboards work;
+our own extras are `axonserve:*`. The text exposition is served over the bus (`GetMetrics`
+-> `MetricsText`), which the HTTP frontend proxies at `/metrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import zmq
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from axonserve.actors.runtime import Actor
+from axonserve.protocol import Codec, DecodeError
+from axonserve.protocol.messages import (
+    ActorAlive,
+    GetMetrics,
+    MetricsText,
+    RequestStats,
+    StatsEvent,
+    StepStats,
+)
+
+_stats_codec = Codec(StatsEvent)
+_query_codec = Codec(GetMetrics)
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+STEP_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05,
+                0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+def build_1_2_5(limit: int) -> list[int]:
+    out, m = [], 1
+    while True:
+        for k in (1, 2, 5):
+            if k * m > limit:
+                return out
+            out.append(k * m)
+        m *= 10
+
+
+class EngineMetrics:
+    """The registry and every metric; `apply(event)` folds one stats event in."""
+
+    def __init__(self, model_name: str, max_model_len: int = 8192):
+        r = self.registry = CollectorRegistry()
+        lbl = ["model_name"]
+        self.model = model_name
+        g = lambda n, d, extra=(): Gauge(n, d, lbl + list(extra), registry=r)  # noqa: E731
+        c = lambda n, d, extra=(): Counter(n, d, lbl + list(extra), registry=r)  # noqa: E731
+        h = lambda n, d, b: Histogram(n, d, lbl, buckets=b, registry=r)  # noqa: E731
+        self.running = g("vllm:num_requests_running", "Requests in the running batch")
+        self.waiting = g("vllm:num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_usage = g("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full)")
+        self.prompt_tokens = c("vllm:prompt_tokens", "Prefill tokens processed")
+        self.generation_tokens = c("vllm:generation_tokens", "Generated tokens")
+        self.preemptions = c("vllm:num_preemptions", "Preemptions")
+        self.prefix_queries = c("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = c("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.success = c("vllm:request_success", "Finished requests", ["finished_reason"])
+        self.ttft = h("vllm:time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS)
+        self.itl = h("vllm:inter_token_latency_seconds", "Inter-token latency", ITL_BUCKETS)
+        self.tpot = h("vllm:time_per_output_token_seconds", "Time per output token", ITL_BUCKETS)
+        self.e2e = h("vllm:e2e_request_latency_seconds", "End-to-end request latency", E2E_BUCKETS)
+        self.queue = h("vllm:request_queue_time_seconds", "Time waiting before first schedule", E2E_BUCKETS)
+        self.prefill = h("vllm:request_prefill_time_seconds", "Prefill phase time", E2E_BUCKETS)
+        self.decode = h("vllm:request_decode_time_seconds", "Decode phase time", E2E_BUCKETS)
+        tok_buckets = build_1_2_5(max_model_len)
+        self.req_prompt = h("vllm:request_prompt_tokens", "Prompt tokens per request", tok_buckets)
+        self.req_gen = h("vllm:request_generation_tokens", "Generated tokens per request", tok_buckets)
+        self.iter_tokens = h("vllm:iteration_tokens_total", "Tokens per engine step", tok_buckets)
+        self.step_time = Histogram("axonserve:step_phase_seconds", "Step time by phase",
+                                   lbl + ["phase"], buckets=STEP_BUCKETS, registry=r)
+        self.alive = g("axonserve:actor_last_seen_timestamp_seconds", "Last stats heartbeat", ["actor"])
+        self.dropped = g("axonserve:stats_events_dropped", "Stats events dropped under back-pressure",
+                         ["actor"])
+        self.events = c("axonserve:stats_events", "Stats events received")
+
+    def apply(self, ev: object) -> None:
+        m = self.model
+        self.events.labels(m).inc()
+        if isinstance(ev, StepStats):
+            self.running.labels(m).set(ev.num_running)
+            self.waiting.labels(m).set(ev.num_waiting)
+            self.kv_usage.labels(m).set(ev.kv_cache_usage)
+            self.prompt_tokens.labels(m).inc(ev.prompt_tokens)
+            self.generation_tokens.labels(m).inc(ev.generation_tokens)
+            self.preemptions.labels(m).inc(ev.num_preemptions)
+            self.prefix_queries.labels(m).inc(ev.prefix_cache_queries)
+            self.prefix_hits.labels(m).inc(ev.prefix_cache_hits)
+            if ev.num_tokens:
+                self.iter_tokens.labels(m).observe(ev.num_tokens)
+            for v in ev.ttft_s:
+                self.ttft.labels(m).observe(v)
+            for v in ev.itl_s:
+                self.itl.labels(m).observe(v)
+            for phase in ("schedule", "roundtrip", "forward", "sample", "update"):
+                self.step_time.labels(m, phase).observe(getattr(ev, f"{phase}_s"))
+            self.dropped.labels(m, "scheduler").set(ev.dropped)
+        elif isinstance(ev, RequestStats):
+            self.success.labels(m, ev.finish_reason).inc()
+            self.e2e.labels(m).observe(ev.e2e_s)
+            self.queue.labels(m).observe(ev.queue_s)
+            self.req_prompt.labels(m).observe(ev.prompt_tokens)
+            self.req_gen.labels(m).observe(ev.generation_tokens)
+            self.prefill.labels(m).observe(ev.prefill_s)
+            self.decode.labels(m).observe(ev.decode_s)
+            if ev.generation_tokens > 1:
+                self.tpot.labels(m).observe(ev.decode_s / (ev.generation_tokens - 1))
+        elif isinstance(ev, ActorAlive):
+            self.alive.labels(m, ev.actor).set(time.time())
+            self.dropped.labels(m, ev.actor).set(ev.dropped)
+
+    def render(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+class MetricsActor(Actor):
+    kind = "metrics"
+
+    async def setup(self) -> dict:
+        self.pull = self.socket(zmq.PULL, self.addresses.stats, bind=True)
+        self.query = self.socket(zmq.ROUTER, self.addresses.metrics, bind=True)
+        name = self.config.served_model_name or self.config.model
+        self.metrics = EngineMetrics(name, self.config.max_model_len or 8192)
+        return {}
+
+    async def run(self) -> None:
+        await asyncio.gather(self._ingest(), self._serve())
+
+    async def _ingest(self) -> None:
+        while True:
+            frames = await self.pull.recv_multipart(copy=False)
+            try:
+                ev, _ = _stats_codec.decode(frames)
+            except DecodeError as e:
+                self.log.warning("bad_stats_event", error=str(e))
+                continue
+            self.metrics.apply(ev)
+
+    async def _serve(self) -> None:
+        while True:
+            ident, *frames = await self.query.recv_multipart()
+            try:
+                _query_codec.decode(frames)
+            except DecodeError as e:
+                self.log.warning("bad_metrics_query", error=str(e))
+                continue
+            await self.query.send_multipart([ident, *Codec.encode(MetricsText(self.metrics.render()))])

@@ -1,0 +1,1 @@
+"""Benchmark harness: load generator, peer comparison, machine limits (`axonserve bench ...`)."""

@@ -1,0 +1,388 @@
+"""`AsyncEngineClient`: the Python library that talks to a running scheduler over ZeroMQ.
+
+One DEALER socket to the scheduler's ROUTER. A single reader task decodes every incoming
+frame and routes each `RequestDelta` to its request's asyncio queue; `generate()` consumers
+detokenize and apply stop strings themselves, so that work is spread over the requests'
+own tasks and never blocks the reader. A watchdog pings the engine when it has gone quiet
+with requests in flight, so a dead scheduler ends requests with an error instead of a hang.
+
+    client = await AsyncEngineClient.connect("ipc:///tmp/ax/engine")
+    async for out in client.generate("Hello", SamplingParams(max_tokens=8)):
+        print(out.text, end="")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+
+from axonserve.frontends.detokenizer import IncrementalDetokenizer
+from axonserve.frontends.tokenizer import Tokenizer
+from axonserve.protocol import Codec, DecodeError, EngineToClient
+from axonserve.protocol.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineDead,
+    EngineInfo,
+    GetEngineInfo,
+    Outputs,
+    ParamError,
+    RequestDelta,
+    SamplingParams,
+    TokenLogprobs,
+)
+
+log = structlog.get_logger(__name__)
+_codec = Codec(EngineToClient)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot serve (it died, hung, or this client was closed)."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One step of one choice: the new tokens/text plus running totals."""
+
+    request_id: str
+    index: int  # choice index (n > 1 fans out into n engine requests)
+    text: str  # text added by this step
+    output_text: str  # all text so far
+    token_ids: list[int]  # tokens added by this step
+    logprobs: list[TokenLogprobs] | None = None  # aligned with token_ids
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: int | str | None = None  # stop token id or stop string
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class _Choice:
+    """Client-side state of one engine request (one choice)."""
+
+    engine_id: str
+    index: int
+    detok: IncrementalDetokenizer
+    finished: bool = False
+
+
+@dataclass(slots=True)
+class _Request:
+    queue: asyncio.Queue[RequestDelta] = field(default_factory=asyncio.Queue)
+    choices: dict[str, _Choice] = field(default_factory=dict)
+
+
+class AsyncEngineClient:
+    """Async client for one scheduler; many concurrent `generate()` calls share it."""
+
+    def __init__(
+        self,
+        sock: zmq.asyncio.Socket,
+        info: EngineInfo,
+        tokenizer: Tokenizer,
+        *,
+        ctx: zmq.asyncio.Context | None = None,
+        ping_after_s: float = 3.0,
+        ping_timeout_s: float = 10.0,
+    ):
+        self.info = info
+        self.tokenizer = tokenizer
+        self.dead = False
+        self.dead_reason: str | None = None
+        self._sock = sock
+        self._ctx = ctx
+        self._ping_after = ping_after_s
+        self._ping_timeout = ping_timeout_s
+        self._requests: dict[str, _Request] = {}  # by user request id
+        self._routes: dict[str, _Request] = {}  # by engine request id (choice)
+        self._last_rx = time.monotonic()
+        self._ping_sent: float | None = None
+        self._tasks = [
+            asyncio.create_task(self._reader(), name="engine-client-reader"),
+            asyncio.create_task(self._watchdog(), name="engine-client-watchdog"),
+        ]
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    async def connect(
+        cls,
+        address: str,
+        *,
+        timeout: float = 60.0,
+        tokenizer: Tokenizer | None = None,
+        ctx: zmq.asyncio.Context | None = None,
+        ping_after_s: float = 3.0,
+        ping_timeout_s: float = 10.0,
+    ) -> "AsyncEngineClient":
+        """Connect, fetch `EngineInfo` (retrying until `timeout`), load the tokenizer."""
+        own_ctx = ctx is None
+        ctx = ctx or zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, b"c-" + uuid.uuid4().hex[:12].encode())
+        sock.setsockopt(zmq.LINGER, 1000)  # let final aborts leave on close
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(address)
+        try:
+            info = await asyncio.wait_for(_fetch_info(sock), timeout)
+            if tokenizer is None:
+                tokenizer = await asyncio.to_thread(Tokenizer.load, info.model)
+        except BaseException as e:
+            sock.close(linger=0)
+            if own_ctx:
+                ctx.term()
+            if isinstance(e, asyncio.TimeoutError):
+                raise TimeoutError(f"no EngineInfo from {address} within {timeout:.0f}s") from None
+            raise
+        log.info("engine_connected", address=address, model=info.served_model_name,
+                 max_model_len=info.max_model_len)
+        return cls(sock, info, tokenizer, ctx=ctx if own_ctx else None,
+                   ping_after_s=ping_after_s, ping_timeout_s=ping_timeout_s)
+
+    def close(self) -> None:
+        """Abort what is in flight, end every generate(), release the socket."""
+        if self._routes and not self.dead:
+            self._send_nowait(AbortRequest(list(self._routes)))
+        if not self.dead:
+            self.dead, self.dead_reason = True, "client closed"
+        self.fail_all("client closed", dead=False)
+        for t in self._tasks:
+            t.cancel()
+        self._sock.close()
+        if self._ctx is not None:
+            self._ctx.term()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._requests)
+
+    # ------------------------------------------------------------------ requests
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Validate now (ParamError / EngineDeadError raised here, before any await), then
+        return an async iterator of outputs. Leaving the iteration early (break, cancel,
+        aclose) aborts the request on the engine."""
+        if self.dead:
+            raise EngineDeadError(self.dead_reason or "engine is dead")
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._requests:
+            raise ParamError("request_id", f"request id {request_id!r} is already in flight")
+        subs = self._fan_out(prompt_ids, params)
+        return self._stream(request_id, prompt_ids, subs)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Check params and context length; return engine params (n=1, max_tokens filled)."""
+        if params.n < 1:
+            raise ParamError("n", "n must be >= 1")
+        one = msgspec.structs.replace(params, n=1).validate()
+        num, limit = len(prompt_ids), self.info.max_model_len
+        if num == 0:
+            raise ParamError("prompt", "the prompt is empty")
+        if any(not 0 <= t < self.info.vocab_size for t in prompt_ids):
+            raise ParamError("prompt", f"prompt token ids must be in [0, {self.info.vocab_size})")
+        if num >= limit:
+            raise ParamError(
+                "input_tokens",
+                f"This model's maximum context length is {limit} tokens. However, your request "
+                f"has {num} input tokens. Please reduce the length of the input.",
+            )
+        if one.max_tokens is None:
+            return msgspec.structs.replace(one, max_tokens=limit - num)
+        if num + one.max_tokens > limit:
+            raise ParamError(
+                "max_tokens",
+                f"'max_tokens' is too large: {one.max_tokens}. This model's maximum context "
+                f"length is {limit} tokens and your request has {num} input tokens "
+                f"({one.max_tokens} > {limit} - {num}).",
+            )
+        return one
+
+    def _fan_out(self, prompt_ids: list[int], params: SamplingParams) -> list[SamplingParams]:
+        one = self.validate(prompt_ids, params)
+        if params.n == 1:
+            return [one]
+        seed = one.seed
+        return [
+            msgspec.structs.replace(one, seed=None if seed is None else seed + i)
+            for i in range(params.n)
+        ]
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (user id, or one choice's engine id); its generate() ends "abort"."""
+        req = self._requests.get(request_id)
+        if req is not None:
+            ids = [cid for cid in req.choices if cid in self._routes]
+        elif request_id in self._routes:
+            req, ids = self._routes[request_id], [request_id]
+        else:
+            return
+        for cid in ids:
+            self._routes.pop(cid, None)
+            req.queue.put_nowait(RequestDelta(cid, finish_reason="abort"))
+        if ids and not self.dead:
+            await self._send(AbortRequest(ids))
+
+    def fail_all(self, reason: str, *, dead: bool = True) -> None:
+        """End every in-flight generate() with finish_reason "error"; mark the engine dead."""
+        if dead and not self.dead:
+            self.dead, self.dead_reason = True, reason
+            log.error("engine_dead", reason=reason, in_flight=len(self._requests))
+        for cid, req in list(self._routes.items()):
+            req.queue.put_nowait(RequestDelta(cid, finish_reason="error", error=reason))
+        self._routes.clear()
+
+    async def _stream(
+        self, request_id: str, prompt_ids: list[int], subs: list[SamplingParams]
+    ) -> AsyncGenerator[RequestOutput, None]:
+        req = _Request()
+        single = len(subs) == 1
+        for i, p in enumerate(subs):
+            cid = request_id if single else f"{request_id}-{i}"
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, skip_special_tokens=p.skip_special_tokens,
+                stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output,
+                min_tokens=p.min_tokens,
+            )
+            req.choices[cid] = _Choice(cid, i, detok)
+        if self.dead:  # died between generate() and the first iteration
+            raise EngineDeadError(self.dead_reason or "engine is dead")
+        self._requests[request_id] = req
+        self._routes.update((cid, req) for cid in req.choices)
+        now = time.time()
+        open_ids = set(req.choices)
+        try:
+            for (cid, _), p in zip(req.choices.items(), subs):
+                await self._send(AddRequest(cid, prompt_ids, p, arrival_time=now))
+            while open_ids:
+                delta = req.queue.get_nowait() if not req.queue.empty() else await req.queue.get()
+                choice = req.choices.get(delta.request_id)
+                if choice is None or choice.finished:
+                    continue
+                out = self._process(request_id, choice, delta, len(prompt_ids))
+                if out.finished:
+                    choice.finished = True
+                    open_ids.discard(choice.engine_id)
+                    if self._routes.pop(choice.engine_id, None) is not None:
+                        self._send_nowait(AbortRequest([choice.engine_id]))  # stop string hit
+                if out.text or out.token_ids or out.finished:
+                    yield out
+        finally:
+            self._requests.pop(request_id, None)
+            left = [cid for cid in open_ids if self._routes.pop(cid, None) is not None]
+            if left and not self.dead:
+                self._send_nowait(AbortRequest(left))
+                log.debug("request_aborted", request_id=request_id, engine_ids=left)
+
+    def _process(
+        self, request_id: str, choice: _Choice, delta: RequestDelta, num_prompt: int
+    ) -> RequestOutput:
+        engine_stop = delta.finish_reason == "stop"
+        d = choice.detok.step(
+            delta.new_token_ids, finished=delta.finish_reason is not None,
+            stop_terminated=engine_stop,
+        )
+        token_ids = delta.new_token_ids[: d.num_tokens]
+        logprobs = delta.logprobs[: d.num_tokens] if delta.logprobs is not None else None
+        if d.stop_string is not None:
+            finish, stop_reason = "stop", d.stop_string
+        else:
+            finish, stop_reason = delta.finish_reason, delta.stop_reason
+        return RequestOutput(
+            request_id=request_id, index=choice.index, text=d.text,
+            output_text=choice.detok.text, token_ids=token_ids, logprobs=logprobs,
+            finish_reason=finish, stop_reason=stop_reason,
+            num_prompt_tokens=delta.num_prompt_tokens or num_prompt,
+            num_output_tokens=choice.detok.num_output_tokens,
+            num_cached_tokens=delta.num_cached_tokens, error=delta.error,
+        )
+
+    # ------------------------------------------------------------------ socket
+
+    async def _send(self, msg: msgspec.Struct) -> None:
+        await self._sock.send_multipart(Codec.encode(msg), copy=False)
+
+    def _send_nowait(self, msg: msgspec.Struct) -> None:
+        """Send from sync code / finally blocks (zmq.asyncio queues it if it would block)."""
+        try:
+            self._sock.send_multipart(Codec.encode(msg), copy=False)
+        except zmq.ZMQError as e:
+            log.warning("send_failed", error=str(e), type=type(msg).__name__)
+
+    async def _reader(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            self._last_rx = time.monotonic()
+            self._ping_sent = None
+            try:
+                msg, _ = _codec.decode(frames)
+            except DecodeError as e:
+                log.warning("bad_engine_message", error=str(e))
+                continue
+            if isinstance(msg, Outputs):
+                for delta in msg.deltas:
+                    req = self._routes.get(delta.request_id)
+                    if req is not None:
+                        req.queue.put_nowait(delta)
+                        if delta.finish_reason is not None:
+                            del self._routes[delta.request_id]
+            elif isinstance(msg, EngineInfo):
+                self.info = msg
+            elif isinstance(msg, EngineDead):
+                self.fail_all(f"engine died: {msg.reason}")
+
+    async def _watchdog(self) -> None:
+        """Ping a silent engine while requests wait on it; no answer in time -> fail_all."""
+        tick = min(self._ping_after, self._ping_timeout) / 3
+        while True:
+            await asyncio.sleep(tick)
+            if self.dead or not self._routes:
+                self._ping_sent = None
+                continue
+            now = time.monotonic()
+            if self._ping_sent is None:
+                if now - self._last_rx > self._ping_after:
+                    self._ping_sent = now
+                    await self._send(GetEngineInfo())
+            elif now - self._ping_sent > self._ping_timeout:
+                self.fail_all(f"engine unresponsive: no reply to a ping within {self._ping_timeout:.0f}s")
+
+
+async def _fetch_info(sock: zmq.asyncio.Socket) -> EngineInfo:
+    """Ask for EngineInfo once a second until it arrives (the scheduler may start later)."""
+    while True:
+        await sock.send_multipart(Codec.encode(GetEngineInfo()))
+        if await sock.poll(1000, zmq.POLLIN):
+            frames = await sock.recv_multipart()
+            try:
+                msg, _ = _codec.decode(frames)
+            except DecodeError as e:
+                log.warning("bad_engine_message", error=str(e))
+                continue
+            if isinstance(msg, EngineInfo):
+                return msg
+            if isinstance(msg, EngineDead):
+                raise EngineDeadError(f"engine died: {msg.reason}")
+
+
+__all__ = ["AsyncEngineClient", "EngineDeadError", "RequestOutput", "SamplingParams"]

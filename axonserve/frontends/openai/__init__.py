@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP frontend (FastAPI + uvicorn) over `AsyncEngineClient`."""

@@ -1,0 +1,85 @@
+"""The frontend actor: an OpenAI-compatible HTTP server in its own process.
+
+It is a client of the scheduler like any other (`AsyncEngineClient`), plus uvicorn. When
+the supervisor reports a dead peer, in-flight HTTP requests end with errors at once (SSE
+error chunks for streams) and /health turns 503, so load balancers and clients see it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from typing import Any
+
+import uvicorn
+
+from axonserve.actors.runtime import Actor
+from axonserve.frontends.client import AsyncEngineClient
+from axonserve.frontends.openai.server import build_app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: the actor runtime owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        yield
+
+
+class FrontendActor(Actor):
+    kind = "frontend"
+
+    client: AsyncEngineClient | None = None
+    _server: _Server | None = None
+    _serve_task: asyncio.Task[None] | None = None
+
+    async def setup(self) -> dict[str, Any]:
+        self.client = await AsyncEngineClient.connect(
+            self.addresses.engine, timeout=self.config.ready_timeout_s
+        )
+        self.app = build_app(self.client, self.config)
+        # Bind here so a busy port fails setup with OSError (uvicorn would sys.exit).
+        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
+        sock = socket.create_server((self.config.host, self.config.port), family=family)
+        port = sock.getsockname()[1]
+        cfg = uvicorn.Config(
+            self.app, log_level="warning", lifespan="off", access_log=False,
+            timeout_graceful_shutdown=2, timeout_keep_alive=30,
+        )
+        self._server = _Server(cfg)
+        self._serve_task = asyncio.create_task(self._server.serve(sockets=[sock]), name="uvicorn")
+        while not self._server.started:
+            if self._serve_task.done():
+                self._serve_task.result()
+                raise RuntimeError("HTTP server stopped during start-up")
+            await asyncio.sleep(0.02)
+        self.log.info("http_listening", host=self.config.host, port=port)
+        return {"host": self.config.host, "port": port}
+
+    async def run(self) -> None:
+        assert self._serve_task is not None
+        stop = asyncio.create_task(self.stopping.wait())
+        await asyncio.wait({stop, self._serve_task}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if self._serve_task.done() and not self.stopping.is_set():
+            self._serve_task.result()
+            raise RuntimeError("HTTP server exited unexpectedly")
+
+    async def on_peer_failed(self, name: str, reason: str) -> None:
+        msg = f"engine failure: {name}: {reason}"
+        if getattr(self, "app", None) is not None:
+            self.app.state.unhealthy = msg
+        if self.client is not None:
+            self.client.fail_all(msg)
+
+    async def teardown(self) -> None:
+        if self._server is not None and self._serve_task is not None:
+            self._server.should_exit = True
+            try:
+                await asyncio.wait_for(asyncio.shield(self._serve_task), 3.0)
+            except (asyncio.TimeoutError, Exception):  # noqa: BLE001
+                self._server.force_exit = True
+                self._serve_task.cancel()
+        if self.client is not None:
+            self.client.close()

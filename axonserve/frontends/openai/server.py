@@ -1,0 +1,449 @@
+"""OpenAI-compatible routes over an `AsyncEngineClient`.
+
+Errors always leave as OpenAI/vLLM error JSON `{"error": {message, type, param, code}}`:
+schema problems are 400 (not FastAPI's 422), an unknown model 404, a dead engine 503, an
+engine-side failure 500, and inside an already-started SSE stream an error chunk followed
+by `[DONE]`. A client that disconnects gets its request aborted on the engine: streams are
+cancelled by Starlette, non-streaming handlers by racing them against `http.disconnect`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from contextlib import aclosing
+from typing import Any, TypeVar
+
+import jinja2
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from axonserve import __version__
+from axonserve.config import EngineConfig
+from axonserve.frontends.client import AsyncEngineClient, EngineDeadError, RequestOutput
+from axonserve.frontends.openai.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
+from axonserve.protocol.messages import ParamError, SamplingParams
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+_LONG_PROMPT_CHARS = 4096  # tokenize longer prompts off the event loop
+
+
+class ModelNotFound(LookupError):
+    pass
+
+
+class GenerationError(RuntimeError):
+    """The engine failed a request (finish_reason "error")."""
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=status))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _error_for(exc: BaseException) -> JSONResponse:
+    if isinstance(exc, ParamError):
+        return error_response(400, str(exc), "BadRequestError", exc.param)
+    if isinstance(exc, ModelNotFound):
+        return error_response(404, str(exc), "NotFoundError", "model")
+    if isinstance(exc, EngineDeadError):
+        return error_response(503, f"engine unavailable: {exc}", "ServiceUnavailableError")
+    if isinstance(exc, GenerationError):
+        return error_response(500, str(exc), "InternalServerError")
+    if isinstance(exc, (ValueError, TypeError, OverflowError, jinja2.TemplateError)):
+        return error_response(400, str(exc), "BadRequestError")
+    if isinstance(exc, NotImplementedError):
+        return error_response(501, str(exc), "NotImplementedError")
+    log.error("request_failed", error=repr(exc))
+    return error_response(500, f"internal error: {type(exc).__name__}", "InternalServerError")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """Readable message from pydantic errors (str(exc) would leak server paths)."""
+    parts, param = [], None
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            why = (err.get("ctx") or {}).get("error", "")
+            parts.append(f"invalid JSON body: {why}".rstrip(": "))
+            continue
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if param is None and loc:
+            param = ".".join(loc)
+        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request", param
+
+
+def build_app(client: AsyncEngineClient, config: EngineConfig | None = None) -> FastAPI:
+    """The FastAPI app. `app.state.unhealthy` (a reason string) turns /health to 503."""
+    app = FastAPI(title="axonserve", version=__version__, docs_url=None, redoc_url=None)
+    app.state.unhealthy = None
+    model_name = client.info.served_model_name or (config and config.served_model_name) or client.info.model
+    known_models = {model_name, client.info.model}
+
+    # ------------------------------------------------------------------ errors
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, message, "BadRequestError", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "NotFoundError" if exc.status_code == 404 else "HTTPError"
+        return error_response(exc.status_code, str(exc.detail), kind)
+
+    async def _on_error(_: Request, exc: Exception) -> JSONResponse:
+        return _error_for(exc)
+
+    # Known classes go through ExceptionMiddleware (handled, not re-raised); the bare
+    # Exception entry is the last resort (Starlette logs those as server errors too).
+    for cls in (ParamError, ValueError, TypeError, OverflowError, jinja2.TemplateError, LookupError,
+                EngineDeadError, GenerationError, NotImplementedError, Exception):
+        app.add_exception_handler(cls, _on_error)
+
+    # ------------------------------------------------------------------ helpers
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in known_models:
+            raise ModelNotFound(f"The model `{name}` does not exist.")
+
+    def unavailable() -> str | None:
+        return app.state.unhealthy or (client.dead_reason if client.dead else None)
+
+    async def tokenize(prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return prompt
+        if len(prompt) > _LONG_PROMPT_CHARS:
+            return await asyncio.to_thread(client.tokenizer.encode, prompt)
+        return client.tokenizer.encode(prompt)
+
+    def start(prompts: list[list[int]], params: SamplingParams, rid: str) -> list[AsyncGenerator[RequestOutput, None]]:
+        reason = unavailable()
+        if reason is not None:
+            raise EngineDeadError(reason)
+        for ids in prompts:  # validate all before starting any
+            client.validate(ids, params)
+        if len(prompts) == 1:
+            return [client.generate(prompts[0], params, request_id=rid)]
+        return [client.generate(ids, params, request_id=f"{rid}-p{j}") for j, ids in enumerate(prompts)]
+
+    # ------------------------------------------------------------------ routes
+
+    @app.get("/health")
+    async def health() -> Response:
+        reason = unavailable()
+        if reason is not None:
+            return error_response(503, f"engine unavailable: {reason}", "ServiceUnavailableError")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, root=client.info.model,
+                                         max_model_len=client.info.max_model_len)])
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        check_model(body.model)
+        params = body.sampling_params()
+        prompts = [await tokenize(p) for p in body.prompts()]
+        rid = body.request_id or random_id("cmpl")
+        streams = start(prompts, params, rid)
+        fmt = _CompletionFormat(client, rid, model_name, params)
+        if body.stream:
+            return _sse(fmt, streams, params.n, body.include_usage)
+        return await _cancel_on_disconnect(raw, fmt.full(streams, params.n))
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        check_model(body.model)
+        params = body.sampling_params()
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        ids = client.tokenizer.encode_chat(
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            **(body.chat_template_kwargs or {}),
+        )
+        rid = body.request_id or random_id("chatcmpl")
+        streams = start([ids], params, rid)
+        fmt = _ChatFormat(client, rid, model_name, params)
+        if body.stream:
+            return _sse(fmt, streams, params.n, body.include_usage)
+        return await _cancel_on_disconnect(raw, fmt.full(streams, params.n))
+
+    return app
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+class _Format:
+    """Turns RequestOutputs into one API's JSON: whole responses and stream chunks."""
+
+    def __init__(self, client: AsyncEngineClient, rid: str, model: str, params: SamplingParams):
+        self.client, self.rid, self.model, self.params = client, rid, model, params
+        self.created = int(time.time())
+
+    def first_chunks(self, num_choices: int) -> list[str]:
+        return []
+
+    def chunk(self, index: int, out: RequestOutput) -> str | None:
+        raise NotImplementedError
+
+    def usage_chunk(self, usage: UsageInfo) -> str:
+        raise NotImplementedError
+
+    def response(self, outs: dict[int, list[RequestOutput]], usage: UsageInfo) -> Any:
+        raise NotImplementedError
+
+    async def full(self, streams: list[AsyncGenerator[RequestOutput, None]], n: int) -> Response:
+        outs: dict[int, list[RequestOutput]] = {}
+        usage = _Usage()
+        async for j, out in _merge(streams):
+            if out.finish_reason == "error":
+                raise GenerationError(out.error or "generation failed")
+            outs.setdefault(j * n + out.index, []).append(out)
+            usage.add(j, out)
+        body = self.response(dict(sorted(outs.items())), usage.info())
+        return JSONResponse(body.model_dump(mode="json"))
+
+    def token_logprobs(self, out: RequestOutput) -> list[tuple[str, float, list[tuple[str, float]]]]:
+        """(token text, logprob, top alternatives) for each new token."""
+        if out.logprobs is None:
+            return []
+        text = self.client.tokenizer.token_text
+        k = self.params.logprobs or 0
+        rows = []
+        for tid, lp in zip(out.token_ids, out.logprobs):
+            top = [(text(t), v) for t, v in zip(lp.top_ids[:k], lp.top_logprobs[:k])]
+            rows.append((text(tid), lp.logprob, top))
+        return rows
+
+
+class _CompletionFormat(_Format):
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self._offsets: dict[int, int] = {}
+
+    def logprobs(self, index: int, out: RequestOutput) -> CompletionLogprobs | None:
+        if self.params.logprobs is None:
+            return None
+        lp = CompletionLogprobs()
+        offset = self._offsets.get(index, 0)
+        for token, logprob, top in self.token_logprobs(out):
+            lp.tokens.append(token)
+            lp.token_logprobs.append(logprob)
+            lp.top_logprobs.append({token: logprob, **dict(top)})
+            lp.text_offset.append(offset)
+            offset += len(token)
+        self._offsets[index] = offset
+        return lp
+
+    def chunk(self, index: int, out: RequestOutput) -> str | None:
+        if not (out.text or out.finished or self.params.logprobs is not None):
+            return None
+        choice = CompletionChoice(index=index, text=out.text, logprobs=self.logprobs(index, out),
+                                  finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+        return CompletionResponse(id=self.rid, created=self.created, model=self.model,
+                                  choices=[choice]).model_dump_json()
+
+    def usage_chunk(self, usage: UsageInfo) -> str:
+        return CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[],
+                                  usage=usage).model_dump_json()
+
+    def response(self, outs: dict[int, list[RequestOutput]], usage: UsageInfo) -> CompletionResponse:
+        choices = []
+        for index, steps in outs.items():
+            lps = [self.logprobs(index, o) for o in steps]
+            merged = None
+            if self.params.logprobs is not None:
+                merged = CompletionLogprobs()
+                for lp in lps:
+                    assert lp is not None
+                    merged.tokens += lp.tokens
+                    merged.token_logprobs += lp.token_logprobs
+                    merged.top_logprobs += lp.top_logprobs
+                    merged.text_offset += lp.text_offset
+            last = steps[-1]
+            choices.append(CompletionChoice(index=index, text=last.output_text, logprobs=merged,
+                                            finish_reason=last.finish_reason, stop_reason=last.stop_reason))
+        return CompletionResponse(id=self.rid, created=self.created, model=self.model,
+                                  choices=choices, usage=usage)
+
+
+class _ChatFormat(_Format):
+    def logprobs(self, out: RequestOutput) -> ChatLogprobs | None:
+        if self.params.logprobs is None:
+            return None
+        return ChatLogprobs(content=[
+            ChatTokenLogprob(
+                token=token, logprob=logprob, bytes=list(token.encode()),
+                top_logprobs=[TopLogprob(token=t, logprob=v, bytes=list(t.encode())) for t, v in top],
+            )
+            for token, logprob, top in self.token_logprobs(out)
+        ])
+
+    def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+        return ChatCompletionChunk(id=self.rid, created=self.created, model=self.model,
+                                   choices=choices, usage=usage).model_dump_json()
+
+    def first_chunks(self, num_choices: int) -> list[str]:
+        return [self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+                for i in range(num_choices)]
+
+    def chunk(self, index: int, out: RequestOutput) -> str | None:
+        if not (out.text or out.finished or self.params.logprobs is not None):
+            return None
+        delta = DeltaMessage(content=out.text) if out.text else DeltaMessage()
+        return self._chunk([ChatStreamChoice(index=index, delta=delta, logprobs=self.logprobs(out),
+                                             finish_reason=out.finish_reason, stop_reason=out.stop_reason)])
+
+    def usage_chunk(self, usage: UsageInfo) -> str:
+        return self._chunk([], usage)
+
+    def response(self, outs: dict[int, list[RequestOutput]], usage: UsageInfo) -> ChatCompletionResponse:
+        choices = []
+        for index, steps in outs.items():
+            last = steps[-1]
+            logprobs = None
+            if self.params.logprobs is not None:
+                logprobs = ChatLogprobs(content=[c for o in steps for c in (self.logprobs(o).content or [])])  # type: ignore[union-attr]
+            choices.append(ChatChoice(index=index, message=ChatResponseMessage(content=last.output_text),
+                                      logprobs=logprobs, finish_reason=last.finish_reason,
+                                      stop_reason=last.stop_reason))
+        return ChatCompletionResponse(id=self.rid, created=self.created, model=self.model,
+                                      choices=choices, usage=usage)
+
+
+class _Usage:
+    def __init__(self) -> None:
+        self.prompt: dict[int, int] = {}
+        self.completion = 0
+
+    def add(self, prompt_index: int, out: RequestOutput) -> None:
+        self.prompt[prompt_index] = out.num_prompt_tokens
+        if out.finished:
+            self.completion += out.num_output_tokens
+
+    def info(self) -> UsageInfo:
+        p = sum(self.prompt.values())
+        return UsageInfo(prompt_tokens=p, completion_tokens=self.completion, total_tokens=p + self.completion)
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+def _sse(fmt: _Format, streams: list[AsyncGenerator[RequestOutput, None]], n: int,
+         include_usage: bool) -> StreamingResponse:
+    async def events() -> AsyncIterator[str]:
+        usage = _Usage()
+        try:
+            for c in fmt.first_chunks(len(streams) * n):
+                yield f"data: {c}\n\n"
+            async for j, out in _merge(streams):
+                if out.finish_reason == "error":
+                    err = ErrorResponse(error=ErrorInfo(message=out.error or "generation failed",
+                                                        type="InternalServerError", code=500))
+                    yield f"data: {err.model_dump_json()}\n\n"
+                    break
+                usage.add(j, out)
+                chunk = fmt.chunk(j * n + out.index, out)
+                if chunk is not None:
+                    yield f"data: {chunk}\n\n"
+            else:
+                if include_usage:
+                    yield f"data: {fmt.usage_chunk(usage.info())}\n\n"
+        except Exception as e:  # noqa: BLE001 - headers are sent: report in-band
+            resp = _error_for(e)
+            yield f"data: {resp.body.decode()}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def _merge(streams: list[AsyncGenerator[RequestOutput, None]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' outputs as (prompt index, output); closing the merge
+    closes (so aborts) every stream."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as s:
+            async for out in s:
+                yield 0, out
+        return
+    q: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(j: int, s: AsyncGenerator[RequestOutput, None]) -> None:
+        try:
+            async with aclosing(s):
+                async for out in s:
+                    q.put_nowait((j, out))
+            q.put_nowait((j, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            q.put_nowait((j, e))
+
+    tasks = [asyncio.create_task(pump(j, s)) for j, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            j, item = await q.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield j, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | Response:
+    """Run `work` but cancel it (aborting its requests) if the HTTP client goes away."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        await asyncio.gather(task, return_exceptions=True)  # let its aborts go out
+        log.info("client_disconnected", path=request.url.path)
+        return Response(status_code=499)
+    return task.result()

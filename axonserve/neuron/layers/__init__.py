@@ -1,0 +1,1 @@
+"""Building blocks shaped for tensor parallelism (column/row linears, norms, rotary)."""

@@ -1,0 +1,48 @@
+"""Build a model from a directory: class from the registry, tensors from safetensors files."""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+from typing import Iterator
+
+import structlog
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from axonserve.neuron.config import ModelConfig
+from axonserve.neuron.registry import model_class
+
+log = structlog.get_logger()
+
+
+def safetensors_files(path: str) -> list[str]:
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def iter_weights(path: str, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every safetensors file, with a tqdm bar over tensors."""
+    files = safetensors_files(path)
+    handles = [safe_open(f, framework="pt") for f in files]
+    total = sum(len(h.keys()) for h in handles)
+    with tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False) as bar:
+        for h in handles:
+            for name in h.keys():
+                yield name, h.get_tensor(name)
+                bar.update(1)
+
+
+def load_model(cfg: ModelConfig, dtype: torch.dtype, progress: bool = True) -> nn.Module:
+    t0 = time.perf_counter()
+    model = model_class(cfg.architecture)(cfg, dtype)
+    model.load_weights(iter_weights(cfg.path, progress))
+    model.eval()
+    n = sum(p.numel() for p in model.parameters())
+    log.info("model.loaded", arch=cfg.architecture, params=n, dtype=str(dtype), seconds=round(time.perf_counter() - t0, 2))
+    return model

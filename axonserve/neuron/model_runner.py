@@ -1,0 +1,188 @@
+"""One worker rank's device state: model, paged KV cache, per-request state, sampler.
+
+`execute(StepPlan)` applies the plan as a diff to the requests this worker holds, runs one
+forward over the flat token batch (decodes first, then prefill chunks) and samples one token
+for each request whose computed count reaches its known token count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import traceback
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+import torch
+
+from axonserve.config import EngineConfig
+from axonserve.neuron.config import ModelConfig
+from axonserve.neuron.loader import load_model
+from axonserve.neuron.ops.attention import AttentionMetadata
+from axonserve.neuron.parallel import TPInfo, init_tensor_parallel, tp_broadcast_ids
+from axonserve.neuron.sampler import Sampler
+from axonserve.protocol.messages import SamplingParams, StepPlan, StepResult
+
+log = structlog.get_logger()
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+def mem_available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("MemAvailable not found in /proc/meminfo")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, rank: int = 0, dist_init: str | None = None):
+        """rank/dist_init: this worker's place in the tensor-parallel group of config.num_workers
+        ranks; every rank must then execute the same plans (rank 0's StepResult is the answer)."""
+        if config.dtype not in DTYPES:
+            raise ValueError(f"dtype {config.dtype!r} is not supported; supported: {sorted(DTYPES)}")
+        self.config, self.rank = config, rank
+        self.dtype = DTYPES[config.dtype]
+        cores = len(os.sched_getaffinity(0))
+        torch.set_num_threads(config.threads or max(1, cores // config.num_workers))
+        torch.manual_seed(config.seed)
+        init_tensor_parallel(rank, config.num_workers, dist_init)
+        mc = ModelConfig.from_dir(config.model)
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        # the RoPE table must cover every position we may be asked to run
+        self.model_config = dataclasses.replace(
+            mc, max_position_embeddings=max(mc.max_position_embeddings, self.max_model_len)
+        )
+        self.eos_token_ids = mc.eos_token_ids
+        self.vocab_size = mc.vocab_size
+        self.block_size = config.block_size
+        self.model = load_model(self.model_config, self.dtype, progress=rank == 0)
+        self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks()
+        self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
+        self.sampler = Sampler(self.eos_token_ids, config.seed)
+        self.requests: dict[str, RequestState] = {}
+        log.info(
+            "runner.ready",
+            rank=rank,
+            threads=torch.get_num_threads(),
+            num_kv_blocks=self.num_kv_blocks,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+        )
+
+    # ------------------------------------------------------------------ KV cache
+
+    def _block_bytes(self) -> int:
+        return self.block_size * self.model_config.kv_bytes_per_token(self.config.dtype, TPInfo.size)
+
+    def _auto_num_blocks(self) -> int:
+        budget = self.config.kv_cache_memory_fraction * mem_available_bytes()
+        n = int(budget // self._block_bytes())
+        if n < 1:
+            raise RuntimeError(f"KV cache budget {budget / 2**20:.0f} MiB holds no {self._block_bytes()}-byte block")
+        return n
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zeroed (never NaN garbage: masked slots still enter the attention matmul)."""
+        mc = self.model_config
+        kv_heads = max(1, mc.num_kv_heads // TPInfo.size)
+        shape = (num_blocks, self.block_size, kv_heads, mc.head_dim)
+        log.info("kv_cache.allocate", blocks=num_blocks, mib=round(num_blocks * self._block_bytes() / 2**20, 1))
+        return [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)) for _ in range(mc.num_layers)]
+
+    # ------------------------------------------------------------------ step
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                result = self._execute(plan)
+        except Exception as e:  # a bad step must not take the worker down
+            log.error("runner.step_failed", step_id=plan.step_id, error=repr(e), tb=traceback.format_exc())
+            return StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}")
+        result.forward_s = time.perf_counter() - t0
+        return result
+
+    def _apply_diff(self, plan: StepPlan) -> list[RequestState]:
+        for rid in plan.finished_request_ids:
+            self.requests.pop(rid, None)
+        scheduled: list[RequestState] = []
+        for nr in plan.new:
+            seed = nr.params.seed
+            st = RequestState(
+                request_id=nr.request_id,
+                token_ids=list(nr.token_ids),
+                num_prompt_tokens=nr.num_prompt_tokens,
+                block_ids=list(nr.block_ids),
+                num_computed_tokens=nr.num_computed_tokens,
+                params=nr.params,
+                generator=torch.Generator().manual_seed(seed) if seed is not None else None,
+            )
+            self.requests[nr.request_id] = st
+            scheduled.append(st)
+        for cr in plan.cached:
+            st = self.requests.get(cr.request_id)
+            if st is None:
+                raise KeyError(f"request {cr.request_id} is not held by this worker")
+            st.block_ids.extend(cr.new_block_ids)
+            scheduled.append(st)
+        if len(scheduled) != len(plan.num_scheduled_tokens):
+            raise ValueError(f"{len(scheduled)} scheduled requests but {len(plan.num_scheduled_tokens)} token counts")
+        return scheduled
+
+    def _execute(self, plan: StepPlan) -> StepResult:
+        scheduled = self._apply_diff(plan)
+        work = []
+        for st, n in zip(scheduled, plan.num_scheduled_tokens):
+            if n <= 0:
+                continue
+            c = st.num_computed_tokens
+            if c + n > len(st.token_ids):
+                raise ValueError(f"request {st.request_id}: {c}+{n} tokens scheduled but only {len(st.token_ids)} known")
+            if c + n > self.max_model_len:
+                raise ValueError(f"request {st.request_id}: position {c + n} exceeds max_model_len {self.max_model_len}")
+            work.append((st, n))
+        if not work:
+            return StepResult(step_id=plan.step_id)
+        # flat batch: decodes (1 token) first, then prefill chunks; plan order kept within each group
+        flat = [w for w in work if w[1] == 1] + [w for w in work if w[1] != 1]
+        input_ids: list[int] = []
+        last_tok: dict[str, int] = {}
+        for st, n in flat:
+            c = st.num_computed_tokens
+            input_ids.extend(st.token_ids[c : c + n])
+            last_tok[st.request_id] = len(input_ids) - 1
+        meta = AttentionMetadata.build(
+            [n for _, n in flat], [st.num_computed_tokens for st, _ in flat], [st.block_ids for st, _ in flat], self.block_size
+        )
+        hidden = self.model(torch.from_numpy(np.asarray(input_ids, dtype=np.int64)), meta.positions, self.kv_caches, meta)
+        for st, n in work:
+            st.num_computed_tokens += n
+        samplers = [st for st, _ in work if st.num_computed_tokens == len(st.token_ids)]
+        if not samplers:
+            return StepResult(step_id=plan.step_id)
+        logits = self.model.compute_logits(hidden[torch.tensor([last_tok[st.request_id] for st in samplers])])
+        ids, logprobs = self.sampler(logits, samplers)
+        ids = tp_broadcast_ids(ids)
+        for st, t in zip(samplers, ids):
+            st.token_ids.append(t)
+        return StepResult(
+            step_id=plan.step_id,
+            request_ids=[st.request_id for st in samplers],
+            sampled_token_ids=ids,
+            logprobs=logprobs,
+        )

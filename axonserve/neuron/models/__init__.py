@@ -1,0 +1,1 @@
+"""Model implementations (one module per architecture family)."""

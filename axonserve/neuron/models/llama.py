@@ -1,0 +1,142 @@
+"""Llama (and Mistral-shaped) decoder in plain PyTorch over a flat, paged token batch."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from axonserve.neuron.config import ModelConfig
+from axonserve.neuron.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from axonserve.neuron.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from axonserve.neuron.layers.norm import RMSNorm
+from axonserve.neuron.layers.rotary import RotaryEmbedding, apply_rotary
+from axonserve.neuron.ops.attention import AttentionMetadata, paged_attention
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias, dtype
+        )
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias, dtype)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        t, d, hq, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, d)
+        qk = apply_rotary(qkv[:, : hq + hkv], cos, sin)  # Q and K heads are adjacent: rotate both at once
+        o = paged_attention(qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :], kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.view(t, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, dtype)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(cfg, dtype)
+
+    def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype)
+
+    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (fused parameter fragment, shard id)
+    stacked = {
+        ".q_proj.": (".qkv_proj.", "q"),
+        ".k_proj.": (".qkv_proj.", "k"),
+        ".v_proj.": (".qkv_proj.", "v"),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if cfg.raw.get("sliding_window") and cfg.raw["sliding_window"] < cfg.max_position_embeddings:
+            raise ValueError("sliding-window attention is not supported by the Llama implementation")
+        self.config = cfg
+        self.model = LlamaModel(cfg, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Final-norm hidden states [T, H] for a flat token batch."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, V] logits for the N sampling positions only."""
+        return self.lm_head.compute(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (HF names) into our (fused) parameters; returns loaded param names."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, w in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            shard = None
+            for frag, (fused, shard_id) in self.stacked.items():
+                if frag in name:
+                    name, shard = name.replace(frag, fused), shard_id
+                    break
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name} has no parameter in {type(self).__name__}")
+            p = params[name]
+            getattr(p, "weight_loader", default_weight_loader)(p, w.to(p.dtype), shard)
+            loaded.add(name)
+        if self.config.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}")
+        return loaded

@@ -1,0 +1,1 @@
+"""Functional kernels shared by every model (attention over the paged KV cache)."""

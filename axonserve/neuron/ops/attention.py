@@ -1,0 +1,121 @@
+"""Paged attention for mixed prefill + decode batches on CPU.
+
+KV cache per layer: K and V tensors of shape [num_blocks, block_size, num_kv_heads, head_dim].
+Token position p of a sequence lives at slot block_ids[p // block_size] * block_size + p % block_size.
+
+The flat token batch is ordered decodes first (one query token each), then prefill chunks.
+`AttentionMetadata` holds every index and mask for one step; it is built once by the
+runner from Python lists (vectorised with numpy) and shared by all layers, so per-layer
+code does no Python work per token and no host syncs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    """One prefill (or chunked-prefill) sequence: query tokens [start, end) of the flat batch."""
+
+    start: int
+    end: int
+    context_len: int  # tokens already in the cache before this chunk
+    block_ids: torch.Tensor | None = None  # blocks covering context + chunk (only if context_len > 0)
+    mask: torch.Tensor | None = None  # [q, context + q] bool, causal offset by the context
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor  # [T] long
+    slot_mapping: torch.Tensor  # [T] long
+    num_decodes: int = 0  # flat tokens [0, num_decodes) are single-token decodes
+    decode_block_table: torch.Tensor | None = None  # [B, max_blocks] long (padded with block 0)
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillSeq] = field(default_factory=list)
+
+    @classmethod
+    def build(
+        cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int
+    ) -> "AttentionMetadata":
+        """Sequences must come decodes (query_len == 1) first, then prefills, in flat-batch order."""
+        n = len(query_lens)
+        q = np.asarray(query_lens, dtype=np.int64)
+        ctx = np.asarray(context_lens, dtype=np.int64)
+        seq_lens = ctx + q
+        num_decodes = int(np.argmax(q != 1)) if (q != 1).any() else n
+        assert (q[num_decodes:] != 1).all(), "decode sequences must precede prefills"
+        blocks_needed = (seq_lens + block_size - 1) // block_size
+        width = int(blocks_needed.max()) if n else 0
+        table = np.zeros((n, width), dtype=np.int64)
+        for i, ids in enumerate(block_tables):
+            k = int(blocks_needed[i])
+            table[i, :k] = ids[:k]
+        # positions and slots for every flat token
+        seq_of_tok = np.repeat(np.arange(n), q)
+        starts = np.cumsum(q) - q
+        positions = np.arange(int(q.sum())) - np.repeat(starts, q) + np.repeat(ctx, q)
+        slots = table[seq_of_tok, positions // block_size] * block_size + positions % block_size
+        meta = cls(positions=torch.from_numpy(positions), slot_mapping=torch.from_numpy(slots), num_decodes=num_decodes)
+        if num_decodes:
+            w = int(blocks_needed[:num_decodes].max())
+            meta.decode_block_table = torch.from_numpy(np.ascontiguousarray(table[:num_decodes, :w]))
+            mask = np.arange(w * block_size)[None, :] < seq_lens[:num_decodes, None]
+            meta.decode_mask = torch.from_numpy(mask)[:, None, None, :]
+        for i in range(num_decodes, n):
+            p = PrefillSeq(start=int(starts[i]), end=int(starts[i] + q[i]), context_len=int(ctx[i]))
+            if p.context_len:
+                kv = int(seq_lens[i])
+                p.block_ids = torch.from_numpy(table[i, : int(blocks_needed[i])].copy())
+                p.mask = torch.ones(int(q[i]), kv, dtype=torch.bool).tril(diagonal=p.context_len)
+            meta.prefills.append(p)
+        return meta
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Whole blocks as contiguous rows: index_select on a 2-D view is ~2x faster than fancy indexing."""
+    return cache.view(cache.shape[0], -1).index_select(0, block_ids)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D]."""
+    _, bs, hkv, d = k_cache.shape
+    k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+    hq, nd = q.shape[1], meta.num_decodes
+    out = torch.empty(q.shape, dtype=q.dtype) if meta.prefills else None
+    if nd:
+        # [B, Hkv, group, D]: the query heads sharing a KV head become the "query length" axis,
+        # so GQA needs no K/V repeat and one SDPA call covers the whole decode batch.
+        qd = q[:nd].view(nd, hkv, hq // hkv, d)
+        bt = meta.decode_block_table.view(-1)  # type: ignore[union-attr]
+        kd = _gather_blocks(k_cache, bt).view(nd, -1, hkv, d).transpose(1, 2)
+        vd = _gather_blocks(v_cache, bt).view(nd, -1, hkv, d).transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        if out is None:
+            return od.reshape(nd, hq, d)
+        out[:nd] = od.reshape(nd, hq, d)
+    for p in meta.prefills:
+        qp = q[p.start : p.end].transpose(0, 1)
+        if p.context_len == 0:
+            kp, vp = k[p.start : p.end].transpose(0, 1), v[p.start : p.end].transpose(0, 1)
+            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            kv_len = p.mask.shape[1]  # type: ignore[union-attr]
+            kp = _gather_blocks(k_cache, p.block_ids).view(-1, hkv, d)[:kv_len].transpose(0, 1)
+            vp = _gather_blocks(v_cache, p.block_ids).view(-1, hkv, d)[:kv_len].transpose(0, 1)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=True)
+        out[p.start : p.end] = op.transpose(0, 1)  # type: ignore[index]
+    return out  # type: ignore[return-value]

@@ -1,0 +1,25 @@
+"""Architecture name (config.json `architectures[0]`) -> model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from axonserve.neuron.models.llama import LlamaForCausalLM
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,  # same tensors and math when no sliding window is used
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return _MODELS[architecture]
+    except KeyError:
+        raise ValueError(
+            f"architecture {architecture} is not supported; supported: {', '.join(supported_architectures())}"
+        ) from None

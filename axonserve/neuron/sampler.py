@@ -1,0 +1,152 @@
+"""Batched sampling where every request brings its own parameters.
+
+Order (vLLM semantics): raw logprobs -> penalties -> min_tokens mask -> greedy argmax, or
+temperature -> min_p -> top_k/top_p -> sample. Sampling uses the exponential race
+(argmax p / Exp(1)), so a seeded request draws only from its own generator and gets the
+same tokens whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+from axonserve.protocol.messages import SamplingParams, TokenLogprobs
+
+
+class SamplingState(Protocol):
+    params: SamplingParams
+    token_ids: list[int]  # prompt + outputs so far
+    num_prompt_tokens: int
+    generator: torch.Generator | None
+
+
+def _padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, L] ids padded with 0 and a [R, L] float weight that is 0 on padding."""
+    width = max(1, max(len(r) for r in rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    w = torch.zeros(len(rows), width)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, : len(r)] = torch.tensor(r)
+            w[i, : len(r)] = 1.0
+    return ids, w
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: Sequence[int], seed: int = 0):
+        self.eos_token_ids = list(eos_token_ids)
+        self.generator = torch.Generator().manual_seed(seed)  # for unseeded requests
+
+    def __call__(
+        self, logits: torch.Tensor, reqs: Sequence[SamplingState]
+    ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        logits = logits.float()
+        want_lp = any(r.params.logprobs is not None for r in reqs)
+        raw_lp = torch.log_softmax(logits, dim=-1) if want_lp else None
+        if all(r.params.greedy and not self._needs_processing(r) for r in reqs):
+            ids = logits.argmax(dim=-1)
+        else:
+            ids = self._sample(logits.clone(), reqs)
+        out = ids.tolist()
+        return out, (self._logprobs(raw_lp, ids, reqs) if raw_lp is not None else None)
+
+    def _needs_processing(self, r: SamplingState) -> bool:
+        p = r.params
+        return (
+            p.repetition_penalty != 1.0
+            or p.presence_penalty != 0.0
+            or p.frequency_penalty != 0.0
+            or (len(r.token_ids) - r.num_prompt_tokens) < p.min_tokens
+        )
+
+    def _sample(self, logits: torch.Tensor, reqs: Sequence[SamplingState]) -> torch.Tensor:
+        self._apply_penalties(logits, reqs)
+        self._apply_min_tokens(logits, reqs)
+        ids = logits.argmax(dim=-1)
+        rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if rand:
+            idx = torch.tensor(rand)
+            ids[idx] = self._random(logits[idx], [reqs[i] for i in rand])
+        return ids
+
+    def _apply_penalties(self, logits: torch.Tensor, reqs: Sequence[SamplingState]) -> None:
+        rep = [i for i, r in enumerate(reqs) if r.params.repetition_penalty != 1.0]
+        if rep:
+            idx = torch.tensor(rep)
+            toks, w = _padded([reqs[i].token_ids for i in rep])
+            seen = torch.zeros(len(rep), logits.shape[1]).scatter_add_(1, toks, w) > 0
+            pen = torch.tensor([reqs[i].params.repetition_penalty for i in rep])[:, None]
+            sub = logits[idx]
+            logits[idx] = torch.where(seen, torch.where(sub > 0, sub / pen, sub * pen), sub)
+        pf = [i for i, r in enumerate(reqs) if r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0]
+        if pf:
+            idx = torch.tensor(pf)
+            toks, w = _padded([reqs[i].token_ids[reqs[i].num_prompt_tokens :] for i in pf])
+            counts = torch.zeros(len(pf), logits.shape[1]).scatter_add_(1, toks, w)
+            freq = torch.tensor([reqs[i].params.frequency_penalty for i in pf])[:, None]
+            pres = torch.tensor([reqs[i].params.presence_penalty for i in pf])[:, None]
+            logits[idx] -= freq * counts + pres * (counts > 0).float()
+
+    def _apply_min_tokens(self, logits: torch.Tensor, reqs: Sequence[SamplingState]) -> None:
+        for i, r in enumerate(reqs):
+            if len(r.token_ids) - r.num_prompt_tokens < r.params.min_tokens:
+                banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else self.eos_token_ids)
+                if banned:
+                    logits[i, torch.tensor(banned)] = float("-inf")
+
+    def _random(self, logits: torch.Tensor, reqs: list[SamplingState]) -> torch.Tensor:
+        temp = torch.tensor([r.params.temperature for r in reqs])[:, None]
+        logits = logits / temp
+        min_p = torch.tensor([r.params.min_p for r in reqs])[:, None]
+        if (min_p > 0).any():
+            probs = logits.softmax(dim=-1)
+            logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+        top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else logits.shape[1] for r in reqs])
+        top_p = torch.tensor([r.params.top_p for r in reqs])
+        if (top_k < logits.shape[1]).any() or (top_p < 1.0).any():
+            logits = _top_k_top_p(logits, top_k, top_p)
+        probs = logits.softmax(dim=-1)
+        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, r in enumerate(reqs):
+            if r.generator is not None:
+                q[i].exponential_(generator=r.generator)
+        return (probs / q).argmax(dim=-1)
+
+    def _logprobs(
+        self, raw_lp: torch.Tensor, ids: torch.Tensor, reqs: Sequence[SamplingState]
+    ) -> list[TokenLogprobs | None]:
+        sampled = raw_lp.gather(1, ids[:, None])
+        ranks = ((raw_lp > sampled).sum(dim=-1) + 1).tolist()
+        n_top = max(r.params.logprobs or 0 for r in reqs)
+        top_lp, top_ids = raw_lp.topk(n_top, dim=-1) if n_top else (None, None)
+        sampled_l = sampled[:, 0].tolist()
+        out: list[TokenLogprobs | None] = []
+        for i, r in enumerate(reqs):
+            n = r.params.logprobs
+            if n is None:
+                out.append(None)
+            elif n == 0:
+                out.append(TokenLogprobs(logprob=sampled_l[i], rank=ranks[i]))
+            else:
+                out.append(
+                    TokenLogprobs(
+                        logprob=sampled_l[i],
+                        rank=ranks[i],
+                        top_ids=top_ids[i, :n].tolist(),  # type: ignore[index]
+                        top_logprobs=top_lp[i, :n].tolist(),  # type: ignore[index]
+                    )
+                )
+        return out
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask everything outside each row's top-k and top-p nucleus (the top token always survives)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    pos = torch.arange(logits.shape[1])[None, :]
+    mask = pos >= top_k[:, None]
+    probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
+    mask |= (probs.cumsum(dim=-1) - probs) > top_p[:, None]
+    mask[:, 0] = False
+    return logits.scatter(1, order, sorted_logits.masked_fill(mask, float("-inf")))

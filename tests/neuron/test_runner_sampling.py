@@ -1,0 +1,78 @@
+"""Sampling parameters through ModelRunner.execute: alignment, seeds, logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from axonserve.protocol.messages import SamplingParams
+
+from .conftest import MiniScheduler, make_runner
+
+
+def run(model_dir, reqs, chunk=5):
+    sched = MiniScheduler(make_runner(model_dir), chunk=chunk)
+    results = []
+    orig = sched.runner.execute
+
+    def spy(plan):
+        res = orig(plan)
+        results.append(res)
+        return res
+
+    sched.runner.execute = spy
+    for rid, prompt, params, at in reqs:
+        sched.add(rid, prompt, 8, at_step=at, params=params)
+    return sched.run(), results
+
+
+def test_seeded_request_is_independent_of_its_batch(tiny_llama_dir):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234)
+    alone, _ = run(tiny_llama_dir, [("s", [5, 6, 7], seeded, 0)])
+    crowd, _ = run(
+        tiny_llama_dir,
+        [
+            ("x", list(range(10, 30)), SamplingParams(temperature=1.0), 0),
+            ("s", [5, 6, 7], seeded, 1),
+            ("g", [9, 9], SamplingParams(temperature=0.0, repetition_penalty=1.3), 2),
+        ],
+    )
+    assert alone["s"] == crowd["s"]
+
+
+def test_logprobs_aligned_with_requests(tiny_llama_dir):
+    out, results = run(
+        tiny_llama_dir,
+        [
+            ("a", [1, 2, 3], SamplingParams(temperature=0.0, logprobs=2), 0),
+            ("b", [4, 5, 6, 7, 8, 9, 10], SamplingParams(temperature=0.0), 0),
+        ],
+    )
+    seen = 0
+    for res in results:
+        if not res.request_ids:
+            continue
+        if "a" not in res.request_ids:
+            assert res.logprobs is None  # nobody in this step asked
+            continue
+        assert res.logprobs is not None and len(res.logprobs) == len(res.request_ids)
+        for rid, tok, lp in zip(res.request_ids, res.sampled_token_ids, res.logprobs):
+            if rid == "b":
+                assert lp is None
+            else:
+                seen += 1
+                assert lp.rank == 1 and lp.top_ids[0] == tok and len(lp.top_ids) == 2
+                assert lp.logprob == lp.top_logprobs[0] <= 0.0
+    assert seen == 8 and len(out["a"]) == 8
+
+
+def test_step_results_in_plan_order_and_forward_time(tiny_llama_dir):
+    _, results = run(
+        tiny_llama_dir,
+        [("p", list(range(3, 15)), SamplingParams(temperature=0.0), 0), ("q", [7], SamplingParams(temperature=0.0), 0)],
+    )
+    first = results[0]
+    assert first.request_ids == ["q"]  # "p" is still prefilling (12 tokens, chunk 5)
+    assert all(r.forward_s > 0 for r in results)
+    both = next(r for r in results if len(r.request_ids) == 2)
+    assert both.request_ids == ["p", "q"]  # plan order, though the flat batch runs decodes first
+    assert torch.tensor(both.sampled_token_ids).lt(1024).all()

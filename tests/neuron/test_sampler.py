@@ -1,0 +1,117 @@
+"""Sampler semantics on hand-made logits (no model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from axonserve.neuron.sampler import Sampler
+from axonserve.protocol.messages import SamplingParams
+
+V = 50
+
+
+@dataclass
+class S:
+    params: SamplingParams
+    token_ids: list[int]
+    num_prompt_tokens: int
+    generator: torch.Generator | None = None
+
+
+def st(prompt=(1, 2), out=(), gen_seed=None, **kw) -> S:
+    p = SamplingParams(**kw)
+    g = torch.Generator().manual_seed(gen_seed) if gen_seed is not None else None
+    return S(p, list(prompt) + list(out), len(prompt), g)
+
+
+def logits(n: int = 4, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_fast_path_and_mixed_batch():
+    lg = logits()
+    ids, lps = Sampler([0])(lg, [st(temperature=0.0) for _ in range(4)])
+    assert ids == lg.argmax(-1).tolist() and lps is None
+    mixed = [st(temperature=0.0), st(temperature=1.0, top_k=1), st(temperature=0.7, top_p=1e-6), st(temperature=0.0)]
+    ids, _ = Sampler([0])(lg, mixed)
+    assert ids == lg.argmax(-1).tolist()  # top-k=1 and a tiny nucleus are greedy
+
+
+def test_seeded_requests_are_reproducible_regardless_of_batch():
+    lg = logits(3)
+    a, _ = Sampler([0], seed=1)(lg, [st(temperature=1.0, gen_seed=7), st(temperature=1.0), st(temperature=1.0)])
+    b, _ = Sampler([0], seed=2)(lg[[0]], [st(temperature=1.0, gen_seed=7)])
+    assert a[0] == b[0]
+    # the generator advances: a seeded request draws different tokens over steps, the same sequence each run
+    def draws(seed):
+        s, r = Sampler([0]), st(temperature=1.0, gen_seed=seed)
+        return [s(torch.zeros(1, V), [r])[0][0] for _ in range(20)]
+    assert draws(3) == draws(3) and len(set(draws(3))) > 5
+
+
+def test_sampling_follows_the_distribution_with_top_k_top_p_min_p():
+    lg = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05] + [1e-9] * (V - 4)]))
+    s = Sampler([49], seed=0)
+    def counts(**kw):
+        r = st(temperature=1.0, **kw)
+        c = torch.zeros(V)
+        for _ in range(2000):
+            c[s(lg, [r])[0][0]] += 1
+        return c / 2000
+    f = counts()
+    assert abs(f[0] - 0.5) < 0.05 and abs(f[1] - 0.3) < 0.05
+    assert counts(top_k=2)[2:].sum() == 0
+    f = counts(top_p=0.7)  # nucleus {0, 1}: 0.5 + 0.3 >= 0.7
+    assert f[2:].sum() == 0 and abs(f[0] - 0.625) < 0.05
+    assert counts(min_p=0.5)[2:].sum() == 0  # 0.15 < 0.5 * 0.5
+
+
+def test_repetition_penalty_hf_semantics():
+    lg = torch.tensor([[2.0, -2.0, 1.0, 0.5] + [0.0] * (V - 4)])
+    r = st(prompt=(0,), out=(1,), temperature=0.0, repetition_penalty=2.0)
+    s = Sampler([49])
+    out = lg.clone()
+    s._apply_penalties(out, [r])
+    assert out[0, :4].tolist() == [1.0, -4.0, 1.0, 0.5]  # positive divided, negative multiplied, unseen kept
+    assert s(lg, [r])[0] == [0]  # 1.0 ties 1.0 at id 2: argmax picks the first
+
+
+def test_presence_and_frequency_penalties_on_outputs_only():
+    lg = torch.zeros(1, V)
+    r = st(prompt=(5,), out=(3, 3, 4), temperature=0.0, presence_penalty=0.5, frequency_penalty=0.25)
+    out = lg.clone()
+    Sampler([49])._apply_penalties(out, [r])
+    assert out[0, 3].item() == -(0.5 + 2 * 0.25)
+    assert out[0, 4].item() == -(0.5 + 0.25)
+    assert out[0, 5].item() == 0.0  # prompt tokens are not penalised
+
+
+def test_min_tokens_masks_eos_and_stop_ids():
+    lg = torch.zeros(1, V)
+    lg[0, 7] = 10.0  # eos
+    lg[0, 8] = 9.0  # stop token
+    s = Sampler([7])
+    assert s(lg, [st(out=(1,), temperature=0.0, min_tokens=2, stop_token_ids=[8])])[0] == [0]
+    assert s(lg, [st(out=(1,), temperature=0.0, min_tokens=2)])[0] == [8]
+    assert s(lg, [st(out=(1, 2), temperature=0.0, min_tokens=2)])[0] == [7]  # reached: EOS allowed
+
+
+def test_logprobs_are_raw_log_softmax():
+    lg = logits(3)
+    reqs = [
+        st(temperature=0.0, logprobs=3, repetition_penalty=1.5),
+        st(temperature=0.0),
+        st(temperature=1.0, gen_seed=1, logprobs=0),
+    ]
+    ids, lps = Sampler([0])(lg, reqs)
+    ref = torch.log_softmax(lg, -1)
+    assert lps[1] is None
+    for i in (0, 2):
+        assert abs(lps[i].logprob - ref[i, ids[i]].item()) < 1e-6
+        assert lps[i].rank == int((ref[i] > ref[i, ids[i]]).sum()) + 1
+    top = ref[0].topk(3)
+    assert lps[0].top_ids == top.indices.tolist()
+    torch.testing.assert_close(torch.tensor(lps[0].top_logprobs), top.values)
+    assert lps[2].top_ids == []
