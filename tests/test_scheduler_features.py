@@ -7,31 +7,14 @@ import asyncio
 import random
 
 import pytest
-import zmq
-import zmq.asyncio
-
 from axonserve.actors.supervisor import Supervisor
 from axonserve.config import EngineConfig
 from axonserve.frontends.client import AsyncEngineClient
-from axonserve.protocol import Codec, EngineToClient
-from axonserve.protocol.messages import EngineStats, GetStats, SamplingParams
+from axonserve.protocol.messages import SamplingParams
 
 from conftest import hf_greedy
 
 N_NEW = 10
-
-
-async def engine_stats(address: str) -> EngineStats:
-    ctx = zmq.asyncio.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.connect(address)
-    try:
-        await s.send_multipart(Codec.encode(GetStats()))
-        msg, _ = Codec(EngineToClient).decode(await asyncio.wait_for(s.recv_multipart(), 10))
-        assert isinstance(msg, EngineStats)
-        return msg
-    finally:
-        ctx.destroy(linger=0)
 
 
 def workload() -> list[list[int]]:
@@ -89,7 +72,7 @@ async def test_outputs_identical_under_each_feature(tiny_llama_dir, reference, c
         got = [await one(0, prompts[0])]
         got += await asyncio.wait_for(
             asyncio.gather(*(one(i, p) for i, p in enumerate(prompts[1:]))), 240)
-        stats = await engine_stats(sup.addresses.engine)
+        stats = await client.get_stats()
     finally:
         client.close()
         await sup.stop("test done")

@@ -46,12 +46,12 @@ class Actor:
         self.stopping = asyncio.Event()
         self.configured: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._control = self.socket(zmq.DEALER, self.addresses.control, identity=self.name.encode())
-        self._stats: zmq.Socket | None = None  # sync socket: NOBLOCK sends return at once
+        self._stats_sock: zmq.Socket | None = None  # sync socket: NOBLOCK sends return at once
         if self.addresses.stats:
-            self._stats = zmq.Context.shadow(self.ctx.underlying).socket(zmq.PUSH)
-            self._stats.setsockopt(zmq.LINGER, 0)
-            self._stats.setsockopt(zmq.SNDHWM, 10_000)
-            self._stats.connect(self.addresses.stats)
+            self._stats_sock = zmq.Context.shadow(self.ctx.underlying).socket(zmq.PUSH)
+            self._stats_sock.setsockopt(zmq.LINGER, 0)
+            self._stats_sock.setsockopt(zmq.SNDHWM, 10_000)
+            self._stats_sock.connect(self.addresses.stats)
         self.stats_dropped = 0
 
     # ------------------------------------------------------------------ overridables
@@ -91,10 +91,10 @@ class Actor:
 
     def publish(self, event: Any) -> None:
         """Send a stats event without ever waiting: under back-pressure it is dropped, counted."""
-        if self._stats is None:
+        if self._stats_sock is None:
             return
         try:
-            self._stats.send_multipart(Codec.encode(event), flags=zmq.NOBLOCK, copy=False)
+            self._stats_sock.send_multipart(Codec.encode(event), flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             self.stats_dropped += 1
 
@@ -147,9 +147,9 @@ class Actor:
 
     def close(self) -> None:
         """Close every socket and the context (the sync stats socket is not tracked by it)."""
-        if self._stats is not None:
-            self._stats.close(linger=0)
-            self._stats = None
+        if self._stats_sock is not None:
+            self._stats_sock.close(linger=0)
+            self._stats_sock = None
         self.ctx.destroy(linger=1000)
 
     async def _control_loop(self) -> None:

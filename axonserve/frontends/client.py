@@ -32,7 +32,9 @@ from axonserve.protocol.messages import (
     AddRequest,
     EngineDead,
     EngineInfo,
+    EngineStats,
     GetEngineInfo,
+    GetStats,
     Outputs,
     ParamError,
     RequestDelta,
@@ -64,6 +66,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    error_code: int = 0  # engine's HTTP-style status for an error (400, 503, 500)
 
     @property
     def finished(self) -> bool:
@@ -110,6 +113,7 @@ class AsyncEngineClient:
         self._requests: dict[str, _Request] = {}  # by user request id
         self._routes: dict[str, _Request] = {}  # by engine request id (choice)
         self._last_rx = time.monotonic()
+        self._stats_waiters: list[asyncio.Future[EngineStats]] = []
         self._ping_sent: float | None = None
         self._tasks = [
             asyncio.create_task(self._reader(), name="engine-client-reader"),
@@ -228,6 +232,13 @@ class AsyncEngineClient:
             for i in range(params.n)
         ]
 
+    async def get_stats(self, timeout: float = 10.0) -> EngineStats:
+        """The scheduler's counters and gauges (prefix-cache hits, preemptions, queue sizes)."""
+        fut: asyncio.Future[EngineStats] = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(fut)
+        await self._send(GetStats())
+        return await asyncio.wait_for(fut, timeout)
+
     async def abort(self, request_id: str) -> None:
         """Abort a request (user id, or one choice's engine id); its generate() ends "abort"."""
         req = self._requests.get(request_id)
@@ -315,6 +326,7 @@ class AsyncEngineClient:
             num_prompt_tokens=delta.num_prompt_tokens or num_prompt,
             num_output_tokens=choice.detok.num_output_tokens,
             num_cached_tokens=delta.num_cached_tokens, error=delta.error,
+            error_code=delta.error_code,
         )
 
     # ------------------------------------------------------------------ socket
@@ -348,6 +360,11 @@ class AsyncEngineClient:
                             del self._routes[delta.request_id]
             elif isinstance(msg, EngineInfo):
                 self.info = msg
+            elif isinstance(msg, EngineStats):
+                for fut in self._stats_waiters:
+                    if not fut.done():
+                        fut.set_result(msg)
+                self._stats_waiters.clear()
             elif isinstance(msg, EngineDead):
                 self.fail_all(f"engine died: {msg.reason}")
 

@@ -22,8 +22,12 @@ def _generate(model_dir: str, **runner_kw) -> tuple[dict[str, list[int]], tuple[
 
 
 def _rank_main(rank: int, model_dir: str, port: int, out) -> None:
+    import torch.distributed as dist
+
     got, kv_shape = _generate(model_dir, num_workers=2, threads=1, rank=rank, dist_init=f"tcp://127.0.0.1:{port}")
     out.put((rank, (got, kv_shape)))
+    dist.barrier()  # neither rank may leave while the other still talks to it (gloo aborts)
+    dist.destroy_process_group()
 
 
 def test_tp2_matches_single_rank(tiny_llama_dir):

@@ -13,10 +13,15 @@ import socket
 from typing import Any
 
 import uvicorn
+import zmq
 
 from axonserve.actors.runtime import Actor
 from axonserve.frontends.client import AsyncEngineClient
 from axonserve.frontends.openai.server import build_app
+from axonserve.protocol import Codec
+from axonserve.protocol.messages import GetMetrics, MetricsText
+
+_metrics_codec = Codec(MetricsText)
 
 
 class _Server(uvicorn.Server):
@@ -38,7 +43,9 @@ class FrontendActor(Actor):
         self.client = await AsyncEngineClient.connect(
             self.addresses.engine, timeout=self.config.ready_timeout_s
         )
-        self.app = build_app(self.client, self.config)
+        self._metrics_sock = self.socket(zmq.DEALER, self.addresses.metrics)
+        self._metrics_lock = asyncio.Lock()
+        self.app = build_app(self.client, self.config, metrics=self._fetch_metrics)
         # Bind here so a busy port fails setup with OSError (uvicorn would sys.exit).
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
         sock = socket.create_server((self.config.host, self.config.port), family=family)
@@ -56,6 +63,14 @@ class FrontendActor(Actor):
             await asyncio.sleep(0.02)
         self.log.info("http_listening", host=self.config.host, port=port)
         return {"host": self.config.host, "port": port}
+
+    async def _fetch_metrics(self) -> str:
+        """Ask the metrics actor for its exposition (one query at a time: replies are ordered)."""
+        async with self._metrics_lock:
+            await self._metrics_sock.send_multipart(Codec.encode(GetMetrics()))
+            frames = await asyncio.wait_for(self._metrics_sock.recv_multipart(), 5.0)
+        msg, _ = _metrics_codec.decode(frames)
+        return msg.text
 
     async def run(self) -> None:
         assert self._serve_task is not None

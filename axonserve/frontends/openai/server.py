@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -59,7 +59,14 @@ class ModelNotFound(LookupError):
 
 
 class GenerationError(RuntimeError):
-    """The engine failed a request (finish_reason "error")."""
+    """The engine failed a request (finish_reason "error"); `status` is the engine's code."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status or 500
+
+
+_ERROR_TYPES = {400: "BadRequestError", 503: "ServiceUnavailableError"}
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
@@ -75,7 +82,7 @@ def _error_for(exc: BaseException) -> JSONResponse:
     if isinstance(exc, EngineDeadError):
         return error_response(503, f"engine unavailable: {exc}", "ServiceUnavailableError")
     if isinstance(exc, GenerationError):
-        return error_response(500, str(exc), "InternalServerError")
+        return error_response(exc.status, str(exc), _ERROR_TYPES.get(exc.status, "InternalServerError"))
     if isinstance(exc, (ValueError, TypeError, OverflowError, jinja2.TemplateError)):
         return error_response(400, str(exc), "BadRequestError")
     if isinstance(exc, NotImplementedError):
@@ -99,8 +106,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
-def build_app(client: AsyncEngineClient, config: EngineConfig | None = None) -> FastAPI:
-    """The FastAPI app. `app.state.unhealthy` (a reason string) turns /health to 503."""
+def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
+              metrics: Callable[[], Awaitable[str]] | None = None) -> FastAPI:
+    """The FastAPI app. `app.state.unhealthy` (a reason string) turns /health to 503.
+    `metrics` returns the Prometheus text exposition (the metrics actor's) for `/metrics`."""
     app = FastAPI(title="axonserve", version=__version__, docs_url=None, redoc_url=None)
     app.state.unhealthy = None
     model_name = client.info.served_model_name or (config and config.served_model_name) or client.info.model
@@ -180,7 +189,7 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None) -> 
         streams = start(prompts, params, rid)
         fmt = _CompletionFormat(client, rid, model_name, params)
         if body.stream:
-            return _sse(fmt, streams, params.n, body.include_usage)
+            return await _stream_response(fmt, streams, params.n, body.include_usage)
         return await _cancel_on_disconnect(raw, fmt.full(streams, params.n))
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -198,10 +207,47 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None) -> 
         streams = start([ids], params, rid)
         fmt = _ChatFormat(client, rid, model_name, params)
         if body.stream:
-            return _sse(fmt, streams, params.n, body.include_usage)
+            return await _stream_response(fmt, streams, params.n, body.include_usage)
         return await _cancel_on_disconnect(raw, fmt.full(streams, params.n))
 
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        if metrics is None:
+            return error_response(404, "metrics are not enabled", "NotFoundError")
+        try:
+            text = await metrics()
+        except (TimeoutError, asyncio.TimeoutError):
+            return error_response(503, "metrics actor did not answer", "ServiceUnavailableError")
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
     return app
+
+
+async def _stream_response(fmt: "_Format", streams: list[AsyncGenerator[RequestOutput, None]],
+                           n: int, include_usage: bool) -> Response:
+    """Wait for a single stream's first output before committing to HTTP 200, so a request
+    the engine rejects at once (overload 503, bad input 400) gets a real status code."""
+    if len(streams) == 1 and n == 1:
+        first_stream = streams[0]
+        try:
+            first = await anext(first_stream)
+        except StopAsyncIteration:
+            first = None
+        if first is not None and first.finish_reason == "error" and first.error_code in _ERROR_TYPES:
+            await first_stream.aclose()
+            return error_response(first.error_code, first.error or "rejected",
+                                  _ERROR_TYPES[first.error_code])
+        streams = [_prepend(first, first_stream)]
+    return _sse(fmt, streams, n, include_usage)
+
+
+async def _prepend(first: RequestOutput | None, rest: AsyncGenerator[RequestOutput, None]
+                   ) -> AsyncGenerator[RequestOutput, None]:
+    async with aclosing(rest):
+        if first is not None:
+            yield first
+        async for out in rest:
+            yield out
 
 
 # --------------------------------------------------------------------------- formatting
@@ -231,7 +277,7 @@ class _Format:
         usage = _Usage()
         async for j, out in _merge(streams):
             if out.finish_reason == "error":
-                raise GenerationError(out.error or "generation failed")
+                raise GenerationError(out.error or "generation failed", out.error_code)
             outs.setdefault(j * n + out.index, []).append(out)
             usage.add(j, out)
         body = self.response(dict(sorted(outs.items())), usage.info())
@@ -372,8 +418,10 @@ def _sse(fmt: _Format, streams: list[AsyncGenerator[RequestOutput, None]], n: in
                 yield f"data: {c}\n\n"
             async for j, out in _merge(streams):
                 if out.finish_reason == "error":
-                    err = ErrorResponse(error=ErrorInfo(message=out.error or "generation failed",
-                                                        type="InternalServerError", code=500))
+                    code = out.error_code or 500
+                    err = ErrorResponse(error=ErrorInfo(
+                        message=out.error or "generation failed",
+                        type=_ERROR_TYPES.get(code, "InternalServerError"), code=code))
                     yield f"data: {err.model_dump_json()}\n\n"
                     break
                 usage.add(j, out)
