@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,8 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from axonserve.actors.supervisor import free_port
 
 # llama.cpp's end-of-generation tokens for SmolLM2 (its load log: "EOG token = ...")
 SMOLLM2_EOG = (0, 2, 4)
@@ -49,12 +50,6 @@ class Running:
     def log_tail(self, n: int = 3000) -> str:
         with open(self.log_path, errors="replace") as f:
             return f.read()[-n:]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_status(url: str, timeout: float = 2.0) -> int | None:

@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+from axonserve.actors.supervisor import free_port
+from axonserve.bench.servers import http_status, stop_group
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -37,35 +36,9 @@ class Served:
             return f.read()[-n:]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def health(base_url: str, timeout: float = 2.0) -> int | None:
     """HTTP status of /health, or None when nothing answers."""
-    try:
-        with urllib.request.urlopen(base_url + "/health", timeout=timeout) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except (urllib.error.URLError, OSError):
-        return None
-
-
-def stop_group(proc: subprocess.Popen, timeout: float = 15.0) -> None:
-    """SIGTERM the process group, SIGKILL it if it is still there after `timeout`."""
-    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    return http_status(base_url + "/health", timeout)
 
 
 @contextlib.contextmanager
