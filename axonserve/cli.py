@@ -12,6 +12,7 @@ import structlog
 
 from axonserve import __version__
 from axonserve.config import EngineConfig
+from axonserve.engine.buckets import parse_buckets
 from axonserve.logs import setup_logging
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -37,6 +38,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-workers", type=int, default=1, help="worker ranks")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bucketing", action=argparse.BooleanOptionalAction, default=False,
+                   help="Neuron bucketing mode: pure prefill or pure decode steps, padded to "
+                        "static bucket shapes (off by default on CPU)")
+    p.add_argument("--context-batch-buckets", type=parse_buckets, default=[], metavar="N,N,...",
+                   help="prefill batch-size buckets (default: powers of two up to min(max_num_seqs, 8))")
+    p.add_argument("--context-len-buckets", type=parse_buckets, default=[], metavar="N,N,...",
+                   help="prefill chunk-length buckets (default: powers of two from 16 up to "
+                        "min(max_num_batched_tokens, max_model_len))")
+    p.add_argument("--decode-batch-buckets", type=parse_buckets, default=[], metavar="N,N,...",
+                   help="decode batch-size buckets (default: powers of two up to max_num_seqs)")
+    p.add_argument("--decode-len-buckets", type=parse_buckets, default=[], metavar="N,N,...",
+                   help="KV-length buckets for both phases (default: powers of two from 128 up "
+                        "to max_model_len); max_model_len is capped at the largest")
     p.add_argument("--log-format", default="console", choices=["console", "json"])
     p.add_argument("--log-level", default="info")
 
@@ -63,6 +77,11 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         num_workers=args.num_workers,
         threads=args.threads,
         seed=args.seed,
+        bucketing=args.bucketing,
+        context_batch_buckets=args.context_batch_buckets,
+        context_len_buckets=args.context_len_buckets,
+        decode_batch_buckets=args.decode_batch_buckets,
+        decode_len_buckets=args.decode_len_buckets,
         log_format=args.log_format,
         log_level=args.log_level,
         **extra,

@@ -25,6 +25,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     num_workers: int = 1  # worker ranks
     seed: int = 0
     threads: int | None = None  # torch threads per worker; None: all cores / num_workers
+    # Neuron bucketing mode: every step padded to static shapes (see engine/buckets.py);
+    # empty bucket lists are derived from max_num_seqs / max_num_batched_tokens / max_model_len
+    bucketing: bool = False
+    context_batch_buckets: list[int] = []  # prefill (context encoding) batch sizes
+    context_len_buckets: list[int] = []  # prefill chunk (query) lengths
+    decode_batch_buckets: list[int] = []  # decode (token generation) batch sizes
+    decode_len_buckets: list[int] = []  # KV lengths attended, both phases
     # frontend
     host: str = "127.0.0.1"
     port: int = 8000

@@ -7,6 +7,16 @@ budget is split (chunked prefill) or, with chunking off, waits for a step with r
 blocks run out, the lowest-priority running request is preempted (blocks freed, recomputed
 later — cheaply, since its blocks stay in the prefix cache until reused).
 The plan sent to workers is a diff: new requests in full, known ones only their new blocks.
+
+Bucketing mode (`SchedulerConfig.buckets` set: Neuron static shapes, see `buckets.py`): a step
+is either token generation — only requests with exactly one token left to compute, at most
+the largest decode batch bucket — or context encoding — only prefill chunks (partially
+prefilled running requests first, then admissions), at most the largest context batch
+bucket, each chunk at most the largest context-length bucket, all within the token budget.
+Never mixed. Fairness rule: decode steps are preferred, but while prefill work is pending
+the two kinds alternate (a prefill step follows every decode step), so neither starves.
+When more decodes are ready than the largest decode bucket holds, the ones served go to the
+back of the running list (round robin).
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ import time
 from dataclasses import dataclass
 
 from axonserve.engine.block_manager import BlockManager
+from axonserve.engine.buckets import BucketConfig
 from axonserve.engine.request import Request, Status
 from axonserve.protocol.messages import (
     CachedRequestData,
@@ -40,6 +51,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # fcfs | priority (lower value runs first, as in vLLM)
+    buckets: BucketConfig | None = None  # bucketing mode (static shapes) when set
 
 
 class Scheduler:
@@ -63,6 +75,9 @@ class Scheduler:
         self.ttft: list[float] = []
         self.itl: list[float] = []
         self.finished_stats: list[RequestStats] = []
+        # bucketing mode
+        self._last_phase = ""  # "decode" | "prefill": kind of the last bucketed step
+        self.shapes: set[tuple] = set()  # distinct (phase, batch, query_len, kv_len) the workers ran
 
     def _order_key(self, req: Request) -> tuple:
         return self._order[req.request_id]
@@ -87,6 +102,11 @@ class Scheduler:
             return (
                 f"prompt has {n} tokens, more than max_num_batched_tokens "
                 f"({cfg.max_num_batched_tokens}) with chunked prefill disabled"
+            )
+        if cfg.buckets and not cfg.enable_chunked_prefill and n > cfg.buckets.max_context_len:
+            return (
+                f"prompt has {n} tokens, more than the largest context-length bucket "
+                f"({cfg.buckets.max_context_len}) with chunked prefill disabled"
             )
         if self.blocks.blocks_needed(n + 1) > cfg.num_kv_blocks:
             return (
@@ -128,6 +148,8 @@ class Scheduler:
     # ------------------------------------------------------------------ step
 
     def schedule(self) -> StepPlan | None:
+        if self.cfg.buckets is not None:
+            return self._schedule_bucketed(self.cfg.buckets)
         cfg = self.cfg
         budget = cfg.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
@@ -189,6 +211,122 @@ class Scheduler:
             return None
         return self._make_plan(scheduled)
 
+    # ------------------------------------------------------------------ bucketing mode
+
+    def _schedule_bucketed(self, b: BucketConfig) -> StepPlan | None:
+        """A pure decode or a pure prefill step (see the module docstring)."""
+
+        def remaining(r: Request) -> int:
+            return r.num_tokens - r.num_computed_tokens
+
+        decodes = any(remaining(r) == 1 for r in self.running)
+        prefills = any(remaining(r) > 1 for r in self.running) or (
+            bool(self.waiting) and len(self.running) < self.cfg.max_num_seqs)
+        if prefills and (not decodes or self._last_phase == "decode"):
+            order = ("prefill", "decode")
+        else:
+            order = ("decode", "prefill")
+        preempted = False
+        for phase in order:
+            if phase == "decode":
+                scheduled, p = self._bucketed_decode(b)
+            else:
+                scheduled, p = self._bucketed_prefill(b, admit=not preempted)
+            preempted |= p
+            if scheduled:
+                self._last_phase = phase
+                return self._make_plan(scheduled)
+        if self._to_drop:
+            return self._make_plan([])
+        return None
+
+    def _grow(self, req: Request, n: int, scheduled: list[tuple[Request, int]]) -> tuple[bool, int]:
+        """Make room for n more tokens of a running request, preempting others as needed.
+        Returns (req still running, tokens given back by victims taken out of `scheduled`)."""
+        freed = 0
+        while not self.blocks.ensure(req, req.num_computed_tokens + n):
+            victim = self._pick_victim()
+            for i, (r, rn) in enumerate(scheduled):
+                if r is victim:
+                    del scheduled[i]
+                    freed += rn
+                    break
+            self._preempt(victim)
+            if victim is req:
+                break
+        return req.status == Status.RUNNING, freed
+
+    def _bucketed_decode(self, b: BucketConfig) -> tuple[list[tuple[Request, int]], bool]:
+        scheduled: list[tuple[Request, int]] = []
+        n_before = self.num_preemptions
+        budget = self.cfg.max_num_batched_tokens
+        for req in list(self.running):
+            if len(scheduled) >= b.max_decode_batch or budget <= 0:
+                break
+            if req.status != Status.RUNNING or req.num_tokens - req.num_computed_tokens != 1:
+                continue
+            ok, freed = self._grow(req, 1, scheduled)
+            budget += freed
+            if ok:
+                scheduled.append((req, 1))
+                budget -= 1
+        # round robin when the decode bucket cannot hold every ready request
+        served = {id(r) for r, _ in scheduled}
+        self.running = [r for r in self.running if id(r) not in served] + [r for r, _ in scheduled]
+        return scheduled, self.num_preemptions != n_before
+
+    def _bucketed_prefill(self, b: BucketConfig, admit: bool) -> tuple[list[tuple[Request, int]], bool]:
+        cfg = self.cfg
+        scheduled: list[tuple[Request, int]] = []
+        preempted = False
+        budget = cfg.max_num_batched_tokens
+        cap_b, cap_q = min(b.max_context_batch, cfg.max_num_seqs), b.max_context_len
+        for req in list(self.running):  # partially prefilled first
+            if len(scheduled) >= cap_b or budget <= 0:
+                break
+            if req.status != Status.RUNNING or req.num_tokens - req.num_computed_tokens <= 1:
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget, cap_q)
+            n_before = self.num_preemptions
+            ok, freed = self._grow(req, n, scheduled)
+            preempted |= self.num_preemptions != n_before
+            budget += freed
+            if ok:
+                scheduled.append((req, n))
+                budget -= n
+
+        while admit and not preempted and self.waiting and budget > 0 and len(scheduled) < cap_b:
+            if len(self.running) >= cfg.max_num_seqs:
+                break
+            req = self.waiting[0]
+            first_time = req.status == Status.WAITING
+            hit = self.blocks.match_prefix(req)
+            req.num_computed_tokens = hit
+            n = req.num_tokens - hit
+            # chunking off: wait for a step with room, unless no step could ever hold it (a
+            # preempted request that grew past the largest bucket): then recompute in chunks
+            if not cfg.enable_chunked_prefill and min(budget, cap_q) < n <= min(cfg.max_num_batched_tokens, cap_q):
+                self.blocks.free(req)
+                req.num_computed_tokens = 0
+                break
+            n = min(n, budget, cap_q)
+            if not self.blocks.ensure(req, hit + n):
+                self.blocks.free(req)
+                req.num_computed_tokens = 0
+                break
+            if first_time:
+                req.num_cached_tokens = hit
+                req.t_scheduled = time.monotonic()
+            if cfg.enable_prefix_caching:
+                self.prefix_queries += req.num_tokens
+                self.prefix_hits += hit
+            self.waiting.pop(0)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+        return scheduled, preempted
+
     def _make_plan(self, scheduled: list[tuple[Request, int]]) -> StepPlan:
         new, cached, new_n, cached_n = [], [], [], []
         for req, n in scheduled:
@@ -230,6 +368,8 @@ class Scheduler:
             if req.status == Status.RUNNING:
                 self.blocks.cache_computed(req)
         self._in_flight = []
+        if result.new_shapes:
+            self.shapes.update(tuple(x) for x in result.new_shapes)
         deltas = []
         now = time.monotonic()
         lps = result.logprobs
@@ -300,7 +440,7 @@ class Scheduler:
         ))
         self._order.pop(req.request_id, None)
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> dict[str, int | float | list]:
         return dict(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -311,4 +451,6 @@ class Scheduler:
             num_steps=self._step_id,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            num_shapes=len(self.shapes),
+            shapes=sorted(self.shapes),
         )

@@ -17,6 +17,7 @@ import zmq
 
 from axonserve import __version__
 from axonserve.actors.runtime import Actor
+from axonserve.engine.buckets import BucketConfig
 from axonserve.engine.request import Request
 from axonserve.engine.scheduler import Scheduler, SchedulerConfig
 from axonserve.protocol import ClientToEngine, Codec, DecodeError
@@ -52,6 +53,7 @@ class SchedulerActor(Actor):
         info = await asyncio.wait_for(self.configured, self.config.ready_timeout_s)
         await self._wait_subscribers(self.config.num_workers)
         max_len = int(info["max_model_len"])
+        buckets = BucketConfig.from_engine_config(self.config, max_len) if self.config.bucketing else None
         pool_tokens = int(info["num_kv_blocks"]) * self.config.block_size
         if pool_tokens < max_len:  # one sequence must always fit, or preemption cannot help
             self.log.warning("max_model_len_clamped", max_model_len=max_len, kv_pool_tokens=pool_tokens)
@@ -68,6 +70,7 @@ class SchedulerActor(Actor):
                 enable_prefix_caching=self.config.enable_prefix_caching,
                 enable_chunked_prefill=self.config.enable_chunked_prefill,
                 policy=self.config.scheduling_policy,
+                buckets=buckets,
             )
         )
         self.engine_info = EngineInfo(
@@ -130,7 +133,7 @@ class SchedulerActor(Actor):
                 if aborted:
                     await self._send_deltas([self._final(r) for r in aborted])
             elif isinstance(msg, GetStats):
-                await self._send(ident, self._stats())
+                await self._send(ident, self._engine_stats())
             elif isinstance(msg, GetEngineInfo):
                 await self._send(ident, self.engine_info)
                 if self.dead_reason is not None:
@@ -171,7 +174,7 @@ class SchedulerActor(Actor):
         self._owner[req.request_id] = ident
         self._work.set()
 
-    def _stats(self) -> EngineStats:
+    def _engine_stats(self) -> EngineStats:
         return EngineStats(num_rejected_overload=self.num_rejected_overload, **self.sched.stats())
 
     # ------------------------------------------------------------------ steps

@@ -18,9 +18,10 @@ import structlog
 import torch
 
 from axonserve.config import EngineConfig
+from axonserve.engine.buckets import BucketConfig
 from axonserve.neuron.config import ModelConfig
 from axonserve.neuron.loader import load_model
-from axonserve.neuron.ops.attention import AttentionMetadata
+from axonserve.neuron.ops.attention import AttentionMetadata, build_static
 from axonserve.neuron.parallel import TPInfo, init_tensor_parallel, tp_broadcast_ids
 from axonserve.neuron.sampler import Sampler
 from axonserve.protocol.messages import SamplingParams, StepPlan, StepResult
@@ -63,6 +64,12 @@ class ModelRunner:
         init_tensor_parallel(rank, config.num_workers, dist_init)
         mc = ModelConfig.from_dir(config.model)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.buckets: BucketConfig | None = None
+        self.shapes: set[tuple[str, int, int, int]] = set()  # bucketing: distinct shapes run
+        if config.bucketing:  # a sequence must fit the largest KV-length bucket
+            b = BucketConfig.from_engine_config(config, self.max_model_len)
+            self.max_model_len = min(self.max_model_len, b.max_kv_len)
+            self.buckets = BucketConfig.from_engine_config(config, self.max_model_len)
         # the RoPE table must cover every position we may be asked to run
         self.model_config = dataclasses.replace(
             mc, max_position_embeddings=max(mc.max_position_embeddings, self.max_model_len)
@@ -72,7 +79,10 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model = load_model(self.model_config, self.dtype, progress=rank == 0)
         self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks()
-        self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
+        # bucketing: one extra scratch block (index num_kv_blocks, never handed out) takes the
+        # K/V writes of padding rows
+        self.pad_block = self.num_kv_blocks
+        self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks + (self.buckets is not None))
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self.requests: dict[str, RequestState] = {}
         log.info(
@@ -82,6 +92,7 @@ class ModelRunner:
             num_kv_blocks=self.num_kv_blocks,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
+            buckets=self.buckets.as_dict() if self.buckets else None,
         )
 
     # ------------------------------------------------------------------ KV cache
@@ -158,6 +169,8 @@ class ModelRunner:
             work.append((st, n))
         if not work:
             return StepResult(step_id=plan.step_id)
+        if self.buckets is not None:
+            return self._execute_bucketed(plan, work, self.buckets)
         # flat batch: decodes (1 token) first, then prefill chunks; plan order kept within each group
         flat = [w for w in work if w[1] == 1] + [w for w in work if w[1] != 1]
         input_ids: list[int] = []
@@ -185,4 +198,59 @@ class ModelRunner:
             request_ids=[st.request_id for st in samplers],
             sampled_token_ids=ids,
             logprobs=logprobs,
+        )
+
+    # ------------------------------------------------------------------ bucketing mode
+
+    def bucket_shape(self, work: list[tuple[RequestState, int]], b: BucketConfig) -> tuple[str, int, int, int]:
+        """The smallest bucket shape that fits: token generation when every item is one token
+        (and the batch fits a decode bucket), else context encoding (1-token items padded)."""
+        kv = max(st.num_computed_tokens + n for st, n in work)
+        q = max(n for _, n in work)
+        if q == 1 and len(work) <= b.max_decode_batch:
+            return b.decode_shape(len(work), kv)
+        if len(work) > b.max_context_batch or q > b.max_context_len:
+            raise ValueError(
+                f"step of {len(work)} sequences, longest chunk {q}, fits no context-encoding "
+                f"bucket (batch <= {b.max_context_batch}, length <= {b.max_context_len})")
+        return b.prefill_shape(len(work), q, kv)
+
+    def _execute_bucketed(self, plan: StepPlan, work: list[tuple[RequestState, int]], b: BucketConfig) -> StepResult:
+        """One forward on a padded static shape; only the bucket choice depends on the data."""
+        shape = self.bucket_shape(work, b)
+        new_shapes = []
+        if shape not in self.shapes:
+            self.shapes.add(shape)
+            new_shapes.append(shape)
+            log.info("runner.new_shape", shape=shape, num_shapes=len(self.shapes))
+        meta, src, last = build_static(
+            [n for _, n in work], [st.num_computed_tokens for st, _ in work],
+            [st.block_ids for st, _ in work], self.block_size, shape, self.pad_block,
+        )
+        flat = np.fromiter(
+            (t for st, n in work for t in st.token_ids[st.num_computed_tokens : st.num_computed_tokens + n]),
+            dtype=np.int64,
+        )
+        input_ids = np.where(src >= 0, flat[np.maximum(src, 0)], 0)
+        hidden = self.model(torch.from_numpy(input_ids), meta.positions, self.kv_caches, meta)
+        # logits for every batch row (static [batch, vocab]); padding rows read row 0
+        rows = np.zeros(shape[1], dtype=np.int64)
+        rows[: len(work)] = last
+        logits = self.model.compute_logits(hidden[torch.from_numpy(rows)])
+        for st, n in work:
+            st.num_computed_tokens += n
+        pick = [i for i, (st, _) in enumerate(work) if st.num_computed_tokens == len(st.token_ids)]
+        if not pick:
+            return StepResult(step_id=plan.step_id, new_shapes=new_shapes)
+        samplers = [work[i][0] for i in pick]
+        ids, logprobs = self.sampler(logits[torch.tensor(pick)], samplers)
+        ids = tp_broadcast_ids(ids)
+        for st, t in zip(samplers, ids):
+            st.token_ids.append(t)
+        return StepResult(
+            step_id=plan.step_id,
+            request_ids=[st.request_id for st in samplers],
+            sampled_token_ids=ids,
+            logprobs=logprobs,
+            new_shapes=new_shapes,
         )

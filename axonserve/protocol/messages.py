@@ -161,6 +161,10 @@ class EngineStats(_Msg, tag=13):
     num_rejected_overload: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    # bucketing mode: distinct static shapes the workers ran, (phase, batch, query_len, kv_len)
+    # with phase "decode" (query_len 1) or "prefill"; empty when bucketing is off
+    num_shapes: int = 0
+    shapes: list[tuple[str, int, int, int]] = []
 
 
 class EngineDead(_Msg, tag=12):
@@ -212,6 +216,8 @@ class StepResult(_Msg, tag=21):
     forward_s: float = 0.0
     sample_s: float = 0.0
     error: str | None = None
+    # bucketing mode: (phase, batch, query_len, kv_len) shapes this worker ran for the first time
+    new_shapes: list[tuple[str, int, int, int]] = []
 
 
 # --------------------------------------------------------------------------- control plane

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from axonserve.engine.buckets import BucketConfig, parse_buckets, pick, pow2_upto
 from axonserve.engine.request import Request, Status
 from axonserve.engine.scheduler import Scheduler, SchedulerConfig
 from axonserve.protocol.messages import SamplingParams, StepPlan, StepResult
@@ -158,7 +161,7 @@ def test_rejects_what_can_never_run():
 
 
 def test_max_num_seqs_caps_running():
-    s, w = make(max_seqs=2), Worker()
+    s, _w = make(max_seqs=2), Worker()
     for rid in "abc":
         s.add(req(rid, 2))
     p = s.schedule()
@@ -201,7 +204,7 @@ def test_prefix_cache_off_and_eviction_under_pressure():
 
 
 def test_priority_policy_orders_waiting_and_picks_victim():
-    s, w = make(max_seqs=1, policy="priority"), Worker()
+    s, _w = make(max_seqs=1, policy="priority"), Worker()
     s.add(req("low", 2, priority=5))
     s.add(req("high", 2, priority=-1))
     assert [n.request_id for n in s.schedule().new] == ["high"]
@@ -213,9 +216,151 @@ def test_priority_policy_orders_waiting_and_picks_victim():
 
 
 def test_chunked_prefill_off_waits_for_room():
-    s, w = make(budget=8, enable_chunked_prefill=False), Worker()
+    s, _w = make(budget=8, enable_chunked_prefill=False), Worker()
     assert "chunked prefill disabled" in s.check(req("huge", 9))
     s.add(req("a", 6))
     s.add(req("b", 6))
     p = s.schedule()
     assert p.num_scheduled_tokens == [6]  # b does not fit the rest of the budget: no split
+
+
+# --------------------------------------------------------------------------- bucketing mode
+
+
+def buckets(**kw) -> BucketConfig:
+    base = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=4)
+    return BucketConfig.resolve(**(base | kw))
+
+
+def test_bucket_selection_and_defaults():
+    assert pow2_upto(6) == [1, 2, 4, 6] and pow2_upto(8) == [1, 2, 4, 8] and pow2_upto(1) == [1]
+    assert pow2_upto(100, 16) == [16, 32, 64, 100] and pow2_upto(8, 16) == [8]
+    assert [pick([1, 2, 4, 6], n) for n in (1, 2, 3, 5, 6)] == [1, 2, 4, 6, 6]
+    with pytest.raises(ValueError, match="largest bucket"):
+        pick([1, 2], 3)
+    b = BucketConfig.resolve(max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=8192, block_size=16)
+    assert b.decode_batch == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert b.context_batch == (1, 2, 4, 8)
+    assert b.context_len == (16, 32, 64, 128, 256, 512, 1024, 2048)
+    assert b.decode_len == (128, 256, 512, 1024, 2048, 4096, 8192)
+    # caps that are not powers of two are included; KV lengths round up to whole blocks
+    b = BucketConfig.resolve(max_num_seqs=3, max_num_batched_tokens=100, max_model_len=50, block_size=16)
+    assert b.decode_batch == (1, 2, 3) and b.context_len == (16, 32, 50) and b.decode_len == (64,)
+    b = buckets(decode_len=[10, 40, 40], context_batch=[4, 1])  # explicit: sorted, deduped, rounded
+    assert b.decode_len == (12, 40) and b.context_batch == (1, 4)
+    assert b.decode_shape(3, 13) == ("decode", 4, 1, 40)
+    assert b.prefill_shape(2, 9, 12) == ("prefill", 4, 16, 12)
+    assert b.contains(("decode", 4, 1, 40)) and not b.contains(("decode", 3, 1, 40))
+    assert not b.contains(("prefill", 4, 16, 13))
+    assert parse_buckets("1, 2,8") == [1, 2, 8] and parse_buckets("") == []
+    with pytest.raises(ValueError):
+        parse_buckets("1,x")
+
+
+def test_cli_bucket_flags():
+    import argparse
+
+    from axonserve.cli import add_engine_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    a = p.parse_args(["m", "--bucketing", "--context-len-buckets", "16,64", "--decode-batch-buckets", "1,4"])
+    assert a.bucketing and a.context_len_buckets == [16, 64] and a.decode_batch_buckets == [1, 4]
+    assert a.context_batch_buckets == [] and not p.parse_args(["m"]).bucketing
+
+
+def drive_bucketed(s: Scheduler, w: Worker, max_steps=400):
+    """drive(), checking every plan fits the bucket limits and never mixes phases."""
+    b = s.cfg.buckets
+    outs: dict[str, list[int]] = {}
+    finish: dict[str, str] = {}
+    phases = []
+    for _ in range(max_steps):
+        ready = {r.request_id for r in s.running if r.num_tokens - r.num_computed_tokens == 1}
+        plan = s.schedule()
+        if plan is None:
+            break
+        ns = plan.num_scheduled_tokens
+        ids = [n.request_id for n in plan.new] + [c.request_id for c in plan.cached]
+        if ns:
+            phases.append(s._last_phase)
+            assert sum(ns) <= s.cfg.max_num_batched_tokens
+            if s._last_phase == "decode":
+                assert not plan.new and set(ns) == {1} and set(ids) <= ready
+                assert len(ns) <= b.max_decode_batch
+            else:
+                assert not set(ids) & ready, "a decode rode along in a prefill step"
+                assert len(ns) <= b.max_context_batch and max(ns) <= b.max_context_len
+        for d in s.update(w.run(plan)):
+            outs.setdefault(d.request_id, []).extend(d.new_token_ids)
+            if d.finish_reason:
+                finish[d.request_id] = d.finish_reason
+    return outs, finish, phases
+
+
+def make_b(bkw=None, **kw) -> Scheduler:
+    budget, seqs = kw.get("budget", 64), kw.get("max_seqs", 8)
+    b = buckets(max_num_seqs=seqs, max_num_batched_tokens=budget, **(bkw or {}))
+    return make(buckets=b, **kw)
+
+
+def test_bucketing_steps_are_pure_and_fit_buckets():
+    s = make_b(dict(context_batch=[1, 2], context_len=[4, 8], decode_batch=[1, 2, 4]), budget=12)
+    w = Worker(lambda rid, i: 20 + i)
+    for i, n in enumerate((3, 17, 1, 9, 5, 2, 11)):
+        s.add(req(f"r{i}", n, max_tokens=6))
+    outs, _, phases = drive_bucketed(s, w)
+    assert all(outs[f"r{i}"] == list(range(20, 26)) for i in range(7)), outs
+    assert set(phases) == {"decode", "prefill"}
+    assert s.blocks.num_free == s.blocks.num_blocks and not s.requests
+
+
+def test_bucketing_alternates_so_neither_phase_starves():
+    s, w = make_b(dict(context_len=[4]), budget=64), Worker()
+    s.add(req("a", 3, max_tokens=30))
+    s.update(w.run(s.schedule()))  # a prefilled: now decoding
+    s.add(req("long", 20, max_tokens=2))  # 5 chunks of 4
+    sizes = []
+    for _ in range(11):
+        p = s.schedule()
+        sizes.append((s._last_phase, p.num_scheduled_tokens))
+        s.update(w.run(p))
+    # the last step was a prefill, so a decode goes first; then strict alternation until the
+    # 5th chunk completes the prompt, after which both decode together
+    assert sizes == [("decode", [1]), ("prefill", [4])] * 5 + [("decode", [1, 1])]
+
+
+def test_bucketing_decode_round_robin_and_preemption():
+    # decode bucket holds 2 of 3 ready requests: each still decodes every other step at worst
+    s, w = make_b(dict(decode_batch=[1, 2])), Worker(lambda rid, i: 20 + i)
+    for rid in "abc":
+        s.add(req(rid, 2, max_tokens=8))
+    outs, _, _ = drive_bucketed(s, w)
+    assert all(outs[r] == list(range(20, 28)) for r in "abc")
+    # tiny pool: preemption under bucketing loses nothing
+    s, w = make_b(dict(context_len=[4, 8]), num_blocks=6), Worker(lambda rid, i: 20 + i)
+    for rid in "abc":
+        s.add(req(rid, 6, max_tokens=8))
+    outs, _, _ = drive_bucketed(s, w)
+    assert s.num_preemptions > 0
+    assert all(outs[r] == list(range(20, 28)) for r in "abc"), outs
+    assert s.blocks.num_free == 6
+
+
+def test_bucketing_chunk_off_rejects_prompts_beyond_the_largest_context_bucket():
+    s = make_b(dict(context_len=[4, 8]), budget=64, enable_chunked_prefill=False)
+    assert "context-length bucket" in s.check(req("x", 9))
+    assert s.check(req("ok", 8)) is None
+
+
+def test_bucketing_chunk_off_resumes_a_preempted_request_longer_than_any_bucket():
+    # 8 blocks of 4: two 6-token prompts growing to 18 tokens collide at ~16 tokens each, so
+    # the victim comes back with more tokens than the largest context bucket (8)
+    s = make_b(dict(context_len=[4, 8]), num_blocks=8, enable_chunked_prefill=False,
+               enable_prefix_caching=False)
+    w = Worker(lambda rid, i: 20 + i)
+    for rid in "ab":
+        s.add(req(rid, 6, max_tokens=12))
+    outs, _, _ = drive_bucketed(s, w)
+    assert s.num_preemptions > 0
+    assert all(outs[r] == list(range(20, 32)) for r in "ab"), outs

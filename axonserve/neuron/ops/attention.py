@@ -37,6 +37,11 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor | None = None  # [B, max_blocks] long (padded with block 0)
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSeq] = field(default_factory=list)
+    # bucketing mode, context encoding: the flat batch is [batch, query_len] row-major, every
+    # sequence padded to query_len; K/V come from the cache through a padded block table
+    static_prefill: tuple[int, int] | None = None  # (batch, query_len) bucket
+    prefill_block_table: torch.Tensor | None = None  # [batch, kv_len / block_size] long
+    prefill_mask: torch.Tensor | None = None  # [batch, 1, query_len, kv_len] bool
 
     @classmethod
     def build(
@@ -76,6 +81,60 @@ class AttentionMetadata:
         return meta
 
 
+def build_static(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    shape: tuple[str, int, int, int],
+    pad_block: int,
+) -> tuple[AttentionMetadata, np.ndarray, np.ndarray]:
+    """Metadata for one step padded to a bucket shape (phase, batch, query_len, kv_len).
+
+    Returns (meta, src, last): flat row r of the padded batch takes its input token from
+    position src[r] of the unpadded flat batch (-1: padding, feed token 0), and last[i] is the
+    padded row of sequence i's last token. Padding rows run at position 0, write their K/V
+    into `pad_block` (a scratch block no request owns) and attend only to key 0, so they
+    stay finite and touch no real slot; unused block-table entries point at `pad_block` and
+    are masked. Shapes depend on the bucket only.
+    """
+    phase, nb, nq, kv = shape
+    n = len(query_lens)
+    q = np.asarray(query_lens, dtype=np.int64)
+    ctx = np.asarray(context_lens, dtype=np.int64)
+    width = kv // block_size
+    table = np.full((nb, width), pad_block, dtype=np.int64)
+    for i, ids in enumerate(block_tables):
+        k = -(-int(ctx[i] + q[i]) // block_size)
+        table[i, :k] = ids[:k]
+    k_idx = np.arange(nq)
+    real = np.zeros((nb, nq), dtype=bool)
+    real[:n] = k_idx[None, :] < q[:, None]
+    pos = np.zeros((nb, nq), dtype=np.int64)
+    pos[:n] = ctx[:, None] + k_idx[None, :]
+    pos = np.where(real, pos, 0)
+    rows = np.arange(nb)[:, None]
+    slots = table[rows, pos // block_size] * block_size + pos % block_size
+    slots = np.where(real, slots, pad_block * block_size)
+    starts = np.zeros(nb, dtype=np.int64)
+    starts[:n] = np.cumsum(q) - q
+    src = np.where(real, starts[:, None] + k_idx[None, :], -1).reshape(-1)
+    last = np.arange(n) * nq + q - 1
+    mask = np.arange(kv)[None, None, :] <= pos[:, :, None]  # causal within the real sequence
+    meta = AttentionMetadata(
+        positions=torch.from_numpy(pos.reshape(-1)), slot_mapping=torch.from_numpy(slots.reshape(-1))
+    )
+    if phase == "decode":
+        meta.num_decodes = nb
+        meta.decode_block_table = torch.from_numpy(table)
+        meta.decode_mask = torch.from_numpy(mask[:, :, None, :])  # [B, 1, 1, kv]
+    else:
+        meta.static_prefill = (nb, nq)
+        meta.prefill_block_table = torch.from_numpy(table)
+        meta.prefill_mask = torch.from_numpy(mask[:, None])  # [B, 1, Q, kv]
+    return meta, src, last
+
+
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Whole blocks as contiguous rows: index_select on a 2-D view is ~2x faster than fancy indexing."""
     return cache.view(cache.shape[0], -1).index_select(0, block_ids)
@@ -95,6 +154,14 @@ def paged_attention(
     k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
     hq, nd = q.shape[1], meta.num_decodes
+    if meta.static_prefill is not None:
+        nb, nq = meta.static_prefill
+        bt = meta.prefill_block_table.view(-1)  # type: ignore[union-attr]
+        kp = _gather_blocks(k_cache, bt).view(nb, -1, hkv, d).transpose(1, 2)
+        vp = _gather_blocks(v_cache, bt).view(nb, -1, hkv, d).transpose(1, 2)
+        qp = q.view(nb, nq, hq, d).transpose(1, 2)
+        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True)
+        return op.transpose(1, 2).reshape(nb * nq, hq, d)
     out = torch.empty(q.shape, dtype=q.dtype) if meta.prefills else None
     if nd:
         # [B, Hkv, group, D]: the query heads sharing a KV head become the "query length" axis,
