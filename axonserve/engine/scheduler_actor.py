@@ -48,7 +48,11 @@ class SchedulerActor(Actor):
         a = self.addresses
         self.router = self.socket(zmq.ROUTER, a.engine, bind=True)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.pub = self.socket(zmq.XPUB, a.plan, bind=True)
+        self.pub = self.ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every rank's subscription, not just the first
+        self.pub.setsockopt(zmq.SNDHWM, 0)
+        self.pub.setsockopt(zmq.LINGER, 2000)
+        self.pub.bind(a.plan)
         self.pull = self.socket(zmq.PULL, a.result, bind=True)
         info = await asyncio.wait_for(self.configured, self.config.ready_timeout_s)
         await self._wait_subscribers(self.config.num_workers)
