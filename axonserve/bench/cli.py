@@ -5,6 +5,13 @@ from __future__ import annotations
 import argparse
 
 
+def _quiet_http_logs() -> None:
+    """httpx logs every request at INFO; a benchmark sends thousands."""
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
 def add_bench_parser(subparsers) -> None:
     """Register `bench serve|compare|bandwidth|setup-peers` on the top-level subparsers."""
     from axonserve.bench.bandwidth import add_bandwidth_args
@@ -12,6 +19,7 @@ def add_bench_parser(subparsers) -> None:
     from axonserve.bench.peers import add_setup_args
     from axonserve.bench.serve import add_serve_args
 
+    _quiet_http_logs()
     bench = subparsers.add_parser("bench", help="benchmarks: load generator, peer comparison, machine limits")
     sub = bench.add_subparsers(dest="bench_cmd", required=True)
     add_serve_args(sub.add_parser("serve", help="load an OpenAI-compatible server (like `vllm bench serve`)"))
