@@ -56,3 +56,31 @@ def test_metrics_route_serves_prometheus_text(tiny_llama_dir):
                 assert time.monotonic() < deadline, m.text[-2000:]
                 time.sleep(0.2)
             assert 'vllm:request_success_total{finished_reason="length",model_name="tiny"} 1.0' in m.text
+
+
+@pytest.mark.timeout(120)
+def test_one_json_access_log_line_per_request(tiny_llama_dir):
+    import json
+
+    with serve(tiny_llama_dir, "--num-kv-blocks", "64", "--served-model-name", "tiny",
+               "--log-format", "json") as srv:
+        with httpx.Client(base_url=srv.base_url, timeout=30) as http:
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 6, "ignore_eos": True}
+            assert http.post("/v1/completions", json=body).status_code == 200
+            with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+                r.read()
+            assert http.post("/v1/completions", json=body | {"max_tokens": -1}).status_code == 400
+        deadline = time.monotonic() + 10
+        while True:
+            lines = [json.loads(x) for x in open(srv.log_path) if x.startswith("{")]
+            access = [x for x in lines if x.get("event") == "access" and x.get("path") == "/v1/completions"]
+            if len(access) >= 3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    ok = [a for a in access if a["status"] == 200]
+    assert len(ok) == 2 and len(access) == 3, access
+    for a in ok:
+        assert a["actor"] == "frontend" and a["request_id"].startswith("cmpl")
+        assert a["prompt_tokens"] >= 1 and a["completion_tokens"] == 6
+        assert a["finish_reason"] == "length" and 0 < a["ttft_s"] <= a["seconds"]
+    assert [a["status"] for a in access if a["status"] != 200] == [400]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextvars import ContextVar
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, TypeVar
@@ -50,6 +51,46 @@ from axonserve.frontends.openai.protocol import (
 from axonserve.protocol.messages import ParamError, SamplingParams
 
 log = structlog.get_logger(__name__)
+
+# The access record of the HTTP request being served (set by AccessLog, filled by handlers).
+_access: ContextVar[dict[str, Any] | None] = ContextVar("axonserve_access", default=None)
+_QUIET_PATHS = ("/health", "/metrics")
+
+
+class AccessLog:
+    """Pure ASGI middleware: one structured log line per request, with status, timings and
+    token counts (Starlette's BaseHTTPMiddleware would break disconnect detection)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rec: dict[str, Any] = {"status": 0, "t0": time.perf_counter()}
+        token = _access.set(rec)
+
+        async def send_status(msg: dict) -> None:
+            if msg["type"] == "http.response.start":
+                rec["status"] = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            _access.reset(token)
+            t0 = rec.pop("t0")
+            fields = {k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()}
+            emit = log.debug if scope["path"] in _QUIET_PATHS else log.info
+            emit("access", method=scope["method"], path=scope["path"],
+                 seconds=round(time.perf_counter() - t0, 4), **fields)
+
+
+def _note_access(**fields: Any) -> None:
+    rec = _access.get()
+    if rec is not None:
+        rec.update(fields)
 T = TypeVar("T")
 _LONG_PROMPT_CHARS = 4096  # tokenize longer prompts off the event loop
 
@@ -111,6 +152,7 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
     """The FastAPI app. `app.state.unhealthy` (a reason string) turns /health to 503.
     `metrics` returns the Prometheus text exposition (the metrics actor's) for `/metrics`."""
     app = FastAPI(title="axonserve", version=__version__, docs_url=None, redoc_url=None)
+    app.add_middleware(AccessLog)
     app.state.unhealthy = None
     model_name = client.info.served_model_name or (config and config.served_model_name) or client.info.model
     known_models = {model_name, client.info.model}
@@ -186,6 +228,7 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
         params = body.sampling_params()
         prompts = [await tokenize(p) for p in body.prompts()]
         rid = body.request_id or random_id("cmpl")
+        _note_access(request_id=rid)
         streams = start(prompts, params, rid)
         fmt = _CompletionFormat(client, rid, model_name, params)
         if body.stream:
@@ -204,6 +247,7 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
             **(body.chat_template_kwargs or {}),
         )
         rid = body.request_id or random_id("chatcmpl")
+        _note_access(request_id=rid)
         streams = start([ids], params, rid)
         fmt = _ChatFormat(client, rid, model_name, params)
         if body.stream:
@@ -400,6 +444,14 @@ class _Usage:
         self.prompt[prompt_index] = out.num_prompt_tokens
         if out.finished:
             self.completion += out.num_output_tokens
+        rec = _access.get()
+        if rec is not None:
+            if "ttft_s" not in rec and out.token_ids:
+                rec["ttft_s"] = time.perf_counter() - rec["t0"]
+            rec["prompt_tokens"] = sum(self.prompt.values())
+            rec["completion_tokens"] = self.completion
+            if out.finished:
+                rec["finish_reason"] = out.finish_reason
 
     def info(self) -> UsageInfo:
         p = sum(self.prompt.values())
