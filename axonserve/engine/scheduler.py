@@ -182,29 +182,10 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted:
             if len(self.running) >= cfg.max_num_seqs:
                 break
-            req = self.waiting[0]
-            first_time = req.status == Status.WAITING
-            hit = self.blocks.match_prefix(req)
-            req.num_computed_tokens = hit
-            n = req.num_tokens - hit
-            if n > budget and not cfg.enable_chunked_prefill:
-                self.blocks.free(req)
+            n = self._admit_head(budget)
+            if not n:
                 break
-            n = min(n, budget)
-            if not self.blocks.ensure(req, hit + n):
-                self.blocks.free(req)
-                req.num_computed_tokens = 0
-                break
-            if first_time:
-                req.num_cached_tokens = hit
-                req.t_scheduled = time.monotonic()
-            if cfg.enable_prefix_caching:
-                self.prefix_queries += req.num_tokens
-                self.prefix_hits += hit
-            self.waiting.pop(0)
-            req.status = Status.RUNNING
-            self.running.append(req)
-            scheduled.append((req, n))
+            scheduled.append((self.running[-1], n))
             budget -= n
 
         if not scheduled and not self._to_drop:
@@ -298,34 +279,40 @@ class Scheduler:
         while admit and not preempted and self.waiting and budget > 0 and len(scheduled) < cap_b:
             if len(self.running) >= cfg.max_num_seqs:
                 break
-            req = self.waiting[0]
-            first_time = req.status == Status.WAITING
-            hit = self.blocks.match_prefix(req)
-            req.num_computed_tokens = hit
-            n = req.num_tokens - hit
-            # chunking off: wait for a step with room, unless no step could ever hold it (a
-            # preempted request that grew past the largest bucket): then recompute in chunks
-            if not cfg.enable_chunked_prefill and min(budget, cap_q) < n <= min(cfg.max_num_batched_tokens, cap_q):
-                self.blocks.free(req)
-                req.num_computed_tokens = 0
+            n = self._admit_head(budget, cap_q)
+            if not n:
                 break
-            n = min(n, budget, cap_q)
-            if not self.blocks.ensure(req, hit + n):
-                self.blocks.free(req)
-                req.num_computed_tokens = 0
-                break
-            if first_time:
-                req.num_cached_tokens = hit
-                req.t_scheduled = time.monotonic()
-            if cfg.enable_prefix_caching:
-                self.prefix_queries += req.num_tokens
-                self.prefix_hits += hit
-            self.waiting.pop(0)
-            req.status = Status.RUNNING
-            self.running.append(req)
-            scheduled.append((req, n))
+            scheduled.append((self.running[-1], n))
             budget -= n
         return scheduled, preempted
+
+    def _admit_head(self, budget: int, max_chunk: int | None = None) -> int:
+        """Move the head of the waiting queue to running with its cached prefix attached and
+        KV blocks for its next chunk; returns that chunk's size, or 0 (nothing taken) when it
+        must wait. With chunking off a prompt waits for a step with room, unless no step could
+        ever hold it (a preempted request grown past the limit): then it is recomputed in chunks."""
+        cfg, req = self.cfg, self.waiting[0]
+        first_time = req.status == Status.WAITING
+        hit = self.blocks.match_prefix(req)
+        req.num_computed_tokens = hit
+        n = req.num_tokens - hit
+        limit = budget if max_chunk is None else min(budget, max_chunk)
+        ever = cfg.max_num_batched_tokens if max_chunk is None else min(cfg.max_num_batched_tokens, max_chunk)
+        if (not cfg.enable_chunked_prefill and limit < n <= ever) or \
+                not self.blocks.ensure(req, hit + min(n, limit)):
+            self.blocks.free(req)
+            req.num_computed_tokens = 0
+            return 0
+        if first_time:
+            req.num_cached_tokens = hit
+            req.t_scheduled = time.monotonic()
+        if cfg.enable_prefix_caching:
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += hit
+        self.waiting.pop(0)
+        req.status = Status.RUNNING
+        self.running.append(req)
+        return min(n, limit)
 
     def _make_plan(self, scheduled: list[tuple[Request, int]]) -> StepPlan:
         new, cached, new_n, cached_n = [], [], [], []
