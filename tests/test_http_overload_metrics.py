@@ -31,7 +31,8 @@ async def test_overload_gets_503_while_admitted_requests_complete(tiny_llama_dir
 
             results = await asyncio.gather(*(one(i % 2 == 0) for i in range(8)))
     codes = [c for c, _, _ in results]
-    assert codes.count(200) >= 2 and codes.count(503) >= 3, codes
+    # at most max_num_seqs + max_waiting are admitted (fewer if all arrive before a step runs)
+    assert 1 <= codes.count(200) <= 2 and codes.count(503) == 8 - codes.count(200), codes
     for code, dt, text in results:
         if code == 503:
             assert '"code":503' in text.replace(" ", "") and "overloaded" in text

@@ -65,9 +65,10 @@ class Supervisor:
         self.config = config
         self.with_frontend = frontend
         self.run_dir = tempfile.mkdtemp(prefix="axonserve-")
-        self.addresses = Addresses.in_dir(
-            self.run_dir, free_port() if config.num_workers > 1 else 0
-        )
+        dist_port = 0
+        while config.num_workers > 1 and dist_port in (0, config.port):  # not the HTTP port
+            dist_port = free_port()
+        self.addresses = Addresses.in_dir(self.run_dir, dist_port)
         self.children: dict[str, _Child] = {}
         self.failure: tuple[str, str] | None = None
         self._failed = asyncio.Event()
