@@ -11,6 +11,7 @@ import dataclasses
 import os
 import time
 import traceback
+from typing import Any
 from dataclasses import dataclass
 
 import numpy as np
@@ -186,19 +187,10 @@ class ModelRunner:
         for st, n in work:
             st.num_computed_tokens += n
         samplers = [st for st, _ in work if st.num_computed_tokens == len(st.token_ids)]
-        if not samplers:
-            return StepResult(step_id=plan.step_id)
-        logits = self.model.compute_logits(hidden[torch.tensor([last_tok[st.request_id] for st in samplers])])
-        ids, logprobs = self.sampler(logits, samplers)
-        ids = tp_broadcast_ids(ids)
-        for st, t in zip(samplers, ids):
-            st.token_ids.append(t)
-        return StepResult(
-            step_id=plan.step_id,
-            request_ids=[st.request_id for st in samplers],
-            sampled_token_ids=ids,
-            logprobs=logprobs,
-        )
+        logits = None
+        if samplers:
+            logits = self.model.compute_logits(hidden[torch.tensor([last_tok[st.request_id] for st in samplers])])
+        return self._sample(plan, samplers, logits)
 
     # ------------------------------------------------------------------ bucketing mode
 
@@ -240,10 +232,16 @@ class ModelRunner:
         for st, n in work:
             st.num_computed_tokens += n
         pick = [i for i, (st, _) in enumerate(work) if st.num_computed_tokens == len(st.token_ids)]
-        if not pick:
-            return StepResult(step_id=plan.step_id, new_shapes=new_shapes)
         samplers = [work[i][0] for i in pick]
-        ids, logprobs = self.sampler(logits[torch.tensor(pick)], samplers)
+        return self._sample(plan, samplers, logits[torch.tensor(pick)] if pick else None,
+                            new_shapes=new_shapes)
+
+    def _sample(self, plan: StepPlan, samplers: list, logits: torch.Tensor | None,
+                **extra: Any) -> StepResult:
+        """Sample one token per finished request (rows of `logits`), append it, report it."""
+        if not samplers:
+            return StepResult(step_id=plan.step_id, **extra)
+        ids, logprobs = self.sampler(logits, samplers)
         ids = tp_broadcast_ids(ids)
         for st, t in zip(samplers, ids):
             st.token_ids.append(t)
@@ -252,5 +250,5 @@ class ModelRunner:
             request_ids=[st.request_id for st in samplers],
             sampled_token_ids=ids,
             logprobs=logprobs,
-            new_shapes=new_shapes,
+            **extra,
         )
