@@ -20,8 +20,13 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                   help="model directory, .gguf file, or SmolLM2-135M-Instruct (default)")
+                   help="model directory, .gguf file, SmolLM2-135M-Instruct (default) or all-MiniLM-L6-v2")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--task", default="auto", choices=["auto", "generate", "embed", "embedding"],
+                   help="generate (causal LM) or embed (pooling: one vector per input, POST /v1/embeddings); "
+                        "auto: from the model (BertModel / sentence-transformers files -> embed)")
+    p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                   help="vLLM's spelling of --task: pooling = embed")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -55,14 +60,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info")
 
 
+def requested_task(task: str, runner: str) -> str:
+    """--task combined with vLLM's --runner (pooling = embed); ValueError when they disagree."""
+    task = "embed" if task == "embedding" else task
+    from_runner = {"auto": "auto", "generate": "generate", "pooling": "embed"}[runner]
+    if "auto" not in (task, from_runner) and task != from_runner:
+        raise ValueError(f"--task {task} contradicts --runner {runner}")
+    return from_runner if task == "auto" else task
+
+
 def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
     from axonserve.neuron.model_source import resolve_model
+    from axonserve.neuron.pooling import resolve_task
 
     model_dir = resolve_model(args.model)
     dtype = "float32" if args.dtype == "auto" else args.dtype
     return EngineConfig(
         model=model_dir,
         served_model_name=args.served_model_name or args.model,
+        task=resolve_task(model_dir, requested_task(args.task, args.runner)),
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -11,6 +11,7 @@ import msgspec
 class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str  # resolved model directory (config.json, weights, tokenizer)
     served_model_name: str = ""
+    task: str = "auto"  # generate | embed (pooling: whole prompt in one step, one vector); auto: from the model
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 
-from axonserve.protocol.messages import SamplingParams
+from axonserve.protocol.messages import PoolingParams, SamplingParams
 
 
 class Status(enum.IntEnum):
@@ -45,6 +45,7 @@ class Request:
         "t_scheduled",
         "t_first",
         "t_last",
+        "pooling",
     )
 
     def __init__(
@@ -56,6 +57,7 @@ class Request:
         max_model_len: int,
         priority: int = 0,
         arrival_time: float | None = None,
+        pooling: PoolingParams | None = None,
     ):
         self.request_id = request_id
         self.client = client
@@ -84,6 +86,9 @@ class Request:
         self.t_scheduled: float | None = None
         self.t_first: float | None = None
         self.t_last: float | None = None
+        # embed task: the whole prompt runs in one step (no KV blocks, no prefix cache, never
+        # chunked), then the request finishes with a pooled vector
+        self.pooling = pooling
 
     @property
     def num_tokens(self) -> int:

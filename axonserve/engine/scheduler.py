@@ -52,6 +52,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # fcfs | priority (lower value runs first, as in vLLM)
     buckets: BucketConfig | None = None  # bucketing mode (static shapes) when set
+    task: str = "generate"  # embed: every request is a pooling request (no KV blocks)
 
 
 class Scheduler:
@@ -91,6 +92,12 @@ class Scheduler:
             return "prompt is empty"
         if req.request_id in self.requests:
             return f"duplicate request id {req.request_id!r}"
+        if (req.pooling is not None) != (cfg.task == "embed"):
+            if cfg.task == "embed":
+                return "this model serves the embed task: it does not generate text; request embeddings"
+            return f"this model serves the {cfg.task} task: it does not produce embeddings"
+        if req.pooling is not None:
+            return self._check_pooling(req)
         if n >= cfg.max_model_len:
             return (
                 f"This model's maximum context length is {cfg.max_model_len} tokens. "
@@ -112,6 +119,23 @@ class Scheduler:
             return (
                 f"prompt needs {self.blocks.blocks_needed(n + 1)} KV blocks but the pool "
                 f"holds {cfg.num_kv_blocks}"
+            )
+        return None
+
+    def _check_pooling(self, req: Request) -> str | None:
+        """A pooling request runs whole in one step and needs no KV blocks."""
+        n, cfg = req.num_prompt_tokens, self.cfg
+        if n > cfg.max_model_len:
+            return (
+                f"This model's maximum context length is {cfg.max_model_len} tokens. "
+                f"However, your request has {n} input tokens."
+            )
+        if any(t < 0 or t >= cfg.vocab_size for t in req.token_ids):
+            return f"prompt contains token ids outside the vocabulary [0, {cfg.vocab_size})"
+        if n > cfg.max_num_batched_tokens:
+            return (
+                f"prompt has {n} tokens, more than max_num_batched_tokens ({cfg.max_num_batched_tokens}); "
+                "a pooling prompt is never split"
             )
         return None
 
@@ -292,6 +316,8 @@ class Scheduler:
         must wait. With chunking off a prompt waits for a step with room, unless no step could
         ever hold it (a preempted request grown past the limit): then it is recomputed in chunks."""
         cfg, req = self.cfg, self.waiting[0]
+        if req.pooling is not None:
+            return self._admit_pooling(req, budget if max_chunk is None else min(budget, max_chunk))
         first_time = req.status == Status.WAITING
         hit = self.blocks.match_prefix(req)
         req.num_computed_tokens = hit
@@ -314,6 +340,17 @@ class Scheduler:
         self.running.append(req)
         return min(n, limit)
 
+    def _admit_pooling(self, req: Request, budget: int) -> int:
+        """Admit the head pooling request only when its whole prompt fits this step."""
+        n = req.num_tokens
+        if n > budget:
+            return 0
+        req.t_scheduled = time.monotonic()
+        self.waiting.pop(0)
+        req.status = Status.RUNNING
+        self.running.append(req)
+        return n
+
     def _make_plan(self, scheduled: list[tuple[Request, int]]) -> StepPlan:
         new, cached, new_n, cached_n = [], [], [], []
         for req, n in scheduled:
@@ -326,6 +363,7 @@ class Scheduler:
                         block_ids=list(req.block_ids),
                         num_computed_tokens=req.num_computed_tokens,
                         params=req.params,
+                        pooling=req.pooling,
                     )
                 )
                 new_n.append(n)
@@ -352,7 +390,7 @@ class Scheduler:
     def update(self, result: StepResult) -> list[RequestDelta]:
         """Apply sampled tokens; return the deltas to send (finished ones included)."""
         for req in self._in_flight:
-            if req.status == Status.RUNNING:
+            if req.status == Status.RUNNING and req.pooling is None:
                 self.blocks.cache_computed(req)
         self._in_flight = []
         if result.new_shapes:
@@ -383,6 +421,15 @@ class Scheduler:
                 delta.finish_reason, delta.stop_reason = req.finish_reason, req.stop_reason
                 self._finish(req)
             deltas.append(delta)
+        for rid in result.pooled_request_ids:  # their vectors travel as frames (scheduler_actor)
+            req = self.requests.get(rid)
+            if req is None or req.status != Status.RUNNING:  # aborted meanwhile
+                continue
+            req.t_first = now
+            self.ttft.append(now - req.t_arrival)
+            req.finish_reason = "stop"
+            deltas.append(RequestDelta(rid, finish_reason="stop", num_prompt_tokens=req.num_prompt_tokens))
+            self._finish(req)
         return deltas
 
     # ------------------------------------------------------------------ internals
@@ -427,11 +474,15 @@ class Scheduler:
         ))
         self._order.pop(req.request_id, None)
 
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use (0 for an encoder, which has none)."""
+        return self.blocks.usage() if self.cfg.num_kv_blocks else 0.0
+
     def stats(self) -> dict[str, int | float | list]:
         return dict(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            kv_cache_usage=self.blocks.usage(),
+            kv_cache_usage=self.kv_usage(),
             prefix_cache_queries=self.prefix_queries,
             prefix_cache_hits=self.prefix_hits,
             num_preemptions=self.num_preemptions,

@@ -20,7 +20,8 @@ from axonserve.actors.runtime import Actor
 from axonserve.engine.buckets import BucketConfig
 from axonserve.engine.request import Request
 from axonserve.engine.scheduler import Scheduler, SchedulerConfig
-from axonserve.protocol import ClientToEngine, Codec, DecodeError
+from axonserve.neuron.pooling import resolve_task
+from axonserve.protocol import ClientToEngine, Codec, DecodeError, TensorRef
 from axonserve.protocol.messages import (
     AbortRequest,
     AddRequest,
@@ -57,15 +58,17 @@ class SchedulerActor(Actor):
         info = await asyncio.wait_for(self.configured, self.config.ready_timeout_s)
         await self._wait_subscribers(self.config.num_workers)
         max_len = int(info["max_model_len"])
+        self.task = resolve_task(self.config.model, self.config.task)
+        embed = self.task == "embed"  # an encoder: no KV pool, every prompt runs whole in one step
         buckets = BucketConfig.from_engine_config(self.config, max_len) if self.config.bucketing else None
         pool_tokens = int(info["num_kv_blocks"]) * self.config.block_size
-        if pool_tokens < max_len:  # one sequence must always fit, or preemption cannot help
+        if pool_tokens < max_len and not embed:  # one sequence must always fit, or preemption cannot help
             self.log.warning("max_model_len_clamped", max_model_len=max_len, kv_pool_tokens=pool_tokens)
             max_len = pool_tokens
         self.sched = Scheduler(
             SchedulerConfig(
                 max_num_seqs=self.config.max_num_seqs,
-                max_num_batched_tokens=max(self.config.max_num_batched_tokens, 1),
+                max_num_batched_tokens=max(self.config.max_num_batched_tokens, max_len if embed else 1),
                 max_model_len=max_len,
                 block_size=self.config.block_size,
                 num_kv_blocks=int(info["num_kv_blocks"]),
@@ -75,6 +78,7 @@ class SchedulerActor(Actor):
                 enable_chunked_prefill=self.config.enable_chunked_prefill,
                 policy=self.config.scheduling_policy,
                 buckets=buckets,
+                task=self.task,
             )
         )
         self.engine_info = EngineInfo(
@@ -87,11 +91,13 @@ class SchedulerActor(Actor):
             eos_token_ids=sorted(self.sched.cfg.eos_token_ids),
             vocab_size=self.sched.cfg.vocab_size,
             version=__version__,
+            task=self.task,
         )
         self.clients: set[bytes] = set()
         self.num_rejected_overload = 0
         self._last_counters = (0, 0, 0, 0, 0)
         self._owner: dict[str, bytes] = {}  # request id -> client identity
+        self.pooled_rows: dict[str, memoryview] = {}  # the last result's vectors, by request id
         self.dead_reason: str | None = None
         self._dead = asyncio.Event()
         self._work = asyncio.Event()
@@ -169,6 +175,7 @@ class SchedulerActor(Actor):
             self.sched.cfg.max_model_len,
             priority=msg.priority,
             arrival_time=msg.arrival_time or None,
+            pooling=msg.pooling,
         )
         why = self.sched.check(req)
         if why is not None:
@@ -202,7 +209,7 @@ class SchedulerActor(Actor):
             t2 = time.perf_counter()
             deltas = self.sched.update(result)
             if deltas:
-                await self._send_deltas(deltas)
+                await self._send_deltas(deltas, self.pooled_rows)
             self._publish_step(plan, result, t1 - t0, t2 - t1, time.perf_counter() - t2)
 
     def _publish_step(self, plan: StepPlan, result: StepResult, sched_s: float, rt_s: float,
@@ -215,7 +222,7 @@ class SchedulerActor(Actor):
         self._last_counters = cur
         self.publish(StepStats(
             num_running=len(s.running), num_waiting=len(s.waiting),
-            kv_cache_usage=s.blocks.usage(),
+            kv_cache_usage=s.kv_usage(),
             num_seqs=len(plan.num_scheduled_tokens), num_tokens=sum(plan.num_scheduled_tokens),
             prompt_tokens=d[0], generation_tokens=d[1], num_preemptions=d[2],
             prefix_cache_queries=d[3], prefix_cache_hits=d[4],
@@ -245,7 +252,9 @@ class SchedulerActor(Actor):
                 await self._fail(f"worker rank 0 gave no result for step {plan.step_id}")
             return None
         try:
-            result, _ = _result_codec.decode(recv.result())
+            frames = recv.result()
+            result, _ = _result_codec.decode(frames)
+            self.pooled_rows = _pooled_rows(result, frames)
         except DecodeError as e:
             await self._fail(f"undecodable step result: {e}")
             return None
@@ -291,10 +300,12 @@ class SchedulerActor(Actor):
             error_code=500 if error else 0,
         )
 
-    async def _send(self, ident: bytes, msg) -> None:
-        await self.router.send_multipart([ident, *Codec.encode(msg)], copy=False)
+    async def _send(self, ident: bytes, msg, extra_frames: list[memoryview] | None = None) -> None:
+        await self.router.send_multipart([ident, *Codec.encode(msg), *(extra_frames or ())], copy=False)
 
-    async def _send_deltas(self, deltas: list[RequestDelta]) -> None:
+    async def _send_deltas(self, deltas: list[RequestDelta], vectors: dict[str, memoryview] | None = None) -> None:
+        """One `Outputs` per client; a pooled request's vector (from `vectors`) rides along as an
+        extra frame named by its delta's `embedding`."""
         by_client: dict[bytes, list[RequestDelta]] = defaultdict(list)
         for d in deltas:
             owner = self._owner
@@ -303,4 +314,27 @@ class SchedulerActor(Actor):
                 by_client[ident].append(d)
         now = time.time()
         for ident, ds in by_client.items():
-            await self._send(ident, Outputs(ds, now))
+            frames: list[memoryview] = []
+            for d in ds:
+                row = vectors.get(d.request_id) if vectors else None
+                if row is not None:
+                    frames.append(row)
+                    d.embedding = TensorRef(len(frames), "float32", [len(row) // 4])
+            await self._send(ident, Outputs(ds, now), frames)
+
+
+def _pooled_rows(result: StepResult, frames: list) -> dict[str, memoryview]:
+    """Zero-copy row views of a result's [N, dim] float32 pooled frame, by request id (the
+    scheduler forwards the bytes as they are; it never imports torch)."""
+    ref = result.pooled
+    if ref is None:
+        return {}
+    n = len(result.pooled_request_ids)
+    if ref.dtype != "float32" or len(ref.shape) != 2 or ref.shape[0] != n or not 0 < ref.index < len(frames):
+        raise DecodeError(f"bad pooled tensor {ref} for {n} requests and {len(frames) - 1} extra frames")
+    frame = frames[ref.index]
+    buf = memoryview(frame.buffer if hasattr(frame, "buffer") else frame).cast("B")
+    row = ref.shape[1] * 4
+    if len(buf) != n * row:
+        raise DecodeError(f"pooled frame has {len(buf)} bytes, expected {n * row}")
+    return {rid: buf[i * row : (i + 1) * row] for i, rid in enumerate(result.pooled_request_ids)}

@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import structlog
@@ -26,7 +27,7 @@ import zmq.asyncio
 
 from axonserve.frontends.detokenizer import IncrementalDetokenizer
 from axonserve.frontends.tokenizer import Tokenizer
-from axonserve.protocol import Codec, DecodeError, EngineToClient
+from axonserve.protocol import Codec, DecodeError, EngineToClient, tensor_from_frame
 from axonserve.protocol.messages import (
     AbortRequest,
     AddRequest,
@@ -37,6 +38,7 @@ from axonserve.protocol.messages import (
     GetStats,
     Outputs,
     ParamError,
+    PoolingParams,
     RequestDelta,
     SamplingParams,
     TokenLogprobs,
@@ -48,6 +50,23 @@ _codec = Codec(EngineToClient)
 
 class EngineDeadError(RuntimeError):
     """The engine cannot serve (it died, hung, or this client was closed)."""
+
+
+class RequestError(RuntimeError):
+    """The engine rejected or failed one request; `status` is its HTTP-style code (400, 503, 500)."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status or 500
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One prompt's pooled vector (embed task)."""
+
+    request_id: str
+    embedding: Any  # torch.Tensor [dim], float32
+    num_prompt_tokens: int
 
 
 @dataclass(slots=True)
@@ -87,6 +106,7 @@ class _Choice:
 class _Request:
     queue: asyncio.Queue[RequestDelta] = field(default_factory=asyncio.Queue)
     choices: dict[str, _Choice] = field(default_factory=dict)
+    vectors: dict[str, Any] = field(default_factory=dict)  # embed: engine id -> pooled vector
 
 
 class AsyncEngineClient:
@@ -197,6 +217,7 @@ class AsyncEngineClient:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Check params and context length; return engine params (n=1, max_tokens filled)."""
+        self.require_task("generate", "Completions API")
         if params.n < 1:
             raise ParamError("n", "n must be >= 1")
         one = msgspec.structs.replace(params, n=1).validate()
@@ -221,6 +242,58 @@ class AsyncEngineClient:
                 f"({one.max_tokens} > {limit} - {num}).",
             )
         return one
+
+    def require_task(self, task: str, api: str) -> None:
+        """ParamError (HTTP 400) unless the served model serves `task` (generate | embed)."""
+        if self.info.task != task:
+            kind = "an embedding" if self.info.task == "embed" else "a generative"
+            raise ParamError("model", f"The model `{self.info.served_model_name}` is {kind} model "
+                                      f"(task {self.info.task}): it does not support the {api}")
+
+    def validate_embed(self, prompt_ids: list[int]) -> None:
+        """Check an embedding input: the task, the vocabulary, the model's positions."""
+        self.require_task("embed", "Embeddings API")
+        num, limit, vocab = len(prompt_ids), self.info.max_model_len, self.info.vocab_size
+        if num == 0:
+            raise ParamError("input", "the input is empty")
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ParamError("input", f"input token ids must be in [0, {vocab})")
+        if num > limit:
+            raise ParamError(
+                "input",
+                f"This model's maximum context length is {limit} tokens. However, you requested {num} "
+                "tokens in the input for embedding generation. Please reduce the length of the input.",
+            )
+
+    async def embed(self, prompt: str | list[int], *, request_id: str | None = None,
+                    pooling: PoolingParams | None = None) -> EmbeddingOutput:
+        """The pooled vector of one prompt (embed task). ParamError / EngineDeadError before
+        anything is sent; RequestError when the engine rejects or fails it. Cancelling the
+        call aborts the request on the engine."""
+        if self.dead:
+            raise EngineDeadError(self.dead_reason or "engine is dead")
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate_embed(prompt_ids)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._requests:
+            raise ParamError("request_id", f"request id {request_id!r} is already in flight")
+        req = _Request()
+        self._requests[request_id] = self._routes[request_id] = req
+        try:
+            await self._send(AddRequest(request_id, prompt_ids, SamplingParams(max_tokens=1),
+                                        arrival_time=time.time(), pooling=pooling or PoolingParams()))
+            delta = await req.queue.get()
+            vec = req.vectors.pop(request_id, None)
+            if delta.finish_reason == "error" and self.dead:
+                raise EngineDeadError(self.dead_reason or delta.error or "engine is dead")
+            if delta.finish_reason in ("error", "abort") or vec is None:
+                why = delta.error or ("request aborted" if delta.finish_reason == "abort" else "no embedding returned")
+                raise RequestError(why, delta.error_code or (499 if delta.finish_reason == "abort" else 500))
+            return EmbeddingOutput(request_id, vec, delta.num_prompt_tokens or len(prompt_ids))
+        finally:
+            self._requests.pop(request_id, None)
+            if self._routes.pop(request_id, None) is not None and not self.dead:
+                self._send_nowait(AbortRequest([request_id]))
 
     def _fan_out(self, prompt_ids: list[int], params: SamplingParams) -> list[SamplingParams]:
         one = self.validate(prompt_ids, params)
@@ -355,6 +428,8 @@ class AsyncEngineClient:
                 for delta in msg.deltas:
                     req = self._routes.get(delta.request_id)
                     if req is not None:
+                        if delta.embedding is not None:
+                            delta = _keep_vector(req, delta, frames)
                         req.queue.put_nowait(delta)
                         if delta.finish_reason is not None:
                             del self._routes[delta.request_id]
@@ -385,6 +460,15 @@ class AsyncEngineClient:
                 self.fail_all(f"engine unresponsive: no reply to a ping within {self._ping_timeout:.0f}s")
 
 
+def _keep_vector(req: _Request, delta: RequestDelta, frames: list) -> RequestDelta:
+    """Store the vector the delta's `embedding` names (a copy: the frame is released)."""
+    try:
+        req.vectors[delta.request_id] = tensor_from_frame(delta.embedding, frames).clone()  # type: ignore[arg-type]
+    except DecodeError as e:
+        return RequestDelta(delta.request_id, finish_reason="error", error=f"bad embedding frame: {e}", error_code=500)
+    return delta
+
+
 async def _fetch_info(sock: zmq.asyncio.Socket) -> EngineInfo:
     """Ask for EngineInfo once a second until it arrives (the scheduler may start later)."""
     while True:
@@ -402,4 +486,4 @@ async def _fetch_info(sock: zmq.asyncio.Socket) -> EngineInfo:
                 raise EngineDeadError(f"engine died: {msg.reason}")
 
 
-__all__ = ["AsyncEngineClient", "EngineDeadError", "RequestOutput", "SamplingParams"]
+__all__ = ["AsyncEngineClient", "EmbeddingOutput", "EngineDeadError", "RequestError", "RequestOutput", "SamplingParams"]

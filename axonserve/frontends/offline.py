@@ -1,4 +1,5 @@
-"""Offline API in the vLLM style: `LLM(model).generate(prompts, SamplingParams(...))`.
+"""Offline API in the vLLM style: `LLM(model).generate(prompts, SamplingParams(...))`, and
+`LLM("all-MiniLM-L6-v2").embed(prompts)` for an embedding model.
 
 The same engine as the server (scheduler + worker processes under a supervisor), driven
 through the ZMQ client library from a private event loop on a background thread, so the
@@ -15,7 +16,7 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from axonserve.config import EngineConfig
-from axonserve.protocol.messages import SamplingParams, TokenLogprobs
+from axonserve.protocol.messages import PoolingParams, SamplingParams, TokenLogprobs
 
 
 @dataclass
@@ -41,6 +42,24 @@ class RequestOutput:
         return self.outputs[0].text if self.outputs else ""
 
 
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
 class LLM:
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **kwargs: Any):
         from axonserve.actors.supervisor import Supervisor
@@ -51,6 +70,9 @@ class LLM:
 
             name = model or "SmolLM2-135M-Instruct"
             config = EngineConfig(model=resolve_model(model), served_model_name=name, **kwargs)
+        from axonserve.neuron.pooling import resolve_task
+
+        resolve_task(config.model, config.task)  # a task the model cannot serve fails here, not in a worker
         self.config = config
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="axonserve-llm", daemon=True)
@@ -109,6 +131,36 @@ class LLM:
             return res
 
         return list(await asyncio.gather(*(one(i, pr, p) for i, (pr, p) in enumerate(zip(prompts, plist)))))
+
+    def embed(
+        self,
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[EmbeddingRequestOutput]:
+        """One pooled vector per prompt (embed-task models), batched by the engine; input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        bar = tqdm(total=len(prompts), desc="embed", disable=not use_tqdm)
+        try:
+            return self._call(self._embed_all(list(prompts), pooling_params, bar))
+        finally:
+            bar.close()
+
+    async def _embed_all(self, prompts: list, pooling: PoolingParams | None, bar: tqdm) -> list[EmbeddingRequestOutput]:
+        enc = self._client.tokenizer.encode
+        all_ids = [enc(p) if isinstance(p, str) else list(p) for p in prompts]
+        for ids in all_ids:  # every input is checked before any is sent
+            self._client.validate_embed(ids)
+
+        async def one(i: int, prompt: Any, ids: list[int]) -> EmbeddingRequestOutput:
+            out = await self._client.embed(ids, request_id=f"offline-embed-{id(all_ids)}-{i}", pooling=pooling)
+            bar.update(1)
+            return EmbeddingRequestOutput(str(i), prompt if isinstance(prompt, str) else None, ids,
+                                          EmbeddingOutput(out.embedding.tolist()))
+
+        return list(await asyncio.gather(*(one(i, p, ids) for i, (p, ids) in enumerate(zip(prompts, all_ids)))))
 
     def shutdown(self) -> None:
         """Stop the engine processes; safe to call twice."""

@@ -22,10 +22,13 @@ from axonserve.config import EngineConfig
 from axonserve.engine.buckets import BucketConfig
 from axonserve.neuron.config import ModelConfig
 from axonserve.neuron.loader import load_model
+from axonserve.neuron.models.bert import EncoderBatch
 from axonserve.neuron.ops.attention import AttentionMetadata, build_static
 from axonserve.neuron.parallel import TPInfo, init_tensor_parallel, tp_broadcast_ids
+from axonserve.neuron.pooling import resolve_task
 from axonserve.neuron.sampler import Sampler
-from axonserve.protocol.messages import SamplingParams, StepPlan, StepResult
+from axonserve.protocol import tensor_ref
+from axonserve.protocol.messages import PoolingParams, SamplingParams, StepPlan, StepResult
 
 log = structlog.get_logger()
 
@@ -41,6 +44,7 @@ class RequestState:
     num_computed_tokens: int
     params: SamplingParams
     generator: torch.Generator | None
+    pooling: PoolingParams | None = None  # embed task: pooled once its whole prompt ran
 
 
 def mem_available_bytes() -> int:
@@ -65,6 +69,9 @@ class ModelRunner:
         init_tensor_parallel(rank, config.num_workers, dist_init)
         mc = ModelConfig.from_dir(config.model)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.task = resolve_task(config.model, config.task)
+        if self.task == "embed":
+            _check_encoder_config(config, mc, self.max_model_len)
         self.buckets: BucketConfig | None = None
         self.shapes: set[tuple[str, int, int, int]] = set()  # bucketing: distinct shapes run
         if config.bucketing:  # a sequence must fit the largest KV-length bucket
@@ -79,11 +86,13 @@ class ModelRunner:
         self.vocab_size = mc.vocab_size
         self.block_size = config.block_size
         self.model = load_model(self.model_config, self.dtype, progress=rank == 0)
-        self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks()
+        embed = self.task == "embed"  # an encoder keeps no KV cache: each prompt runs whole in one step
+        self.num_kv_blocks = 0 if embed else config.num_kv_blocks or self._auto_num_blocks()
         # bucketing: one extra scratch block (index num_kv_blocks, never handed out) takes the
         # K/V writes of padding rows
         self.pad_block = self.num_kv_blocks
-        self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks + (self.buckets is not None))
+        self.kv_caches = [] if embed else self._allocate_kv_cache(self.num_kv_blocks + (self.buckets is not None))
+        self.result_tensors: list[torch.Tensor] = []  # extra frames the last StepResult's TensorRefs name
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self.requests: dict[str, RequestState] = {}
         log.info(
@@ -120,6 +129,7 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
+        self.result_tensors = []
         try:
             with torch.inference_mode():
                 result = self._execute(plan)
@@ -143,6 +153,7 @@ class ModelRunner:
                 num_computed_tokens=nr.num_computed_tokens,
                 params=nr.params,
                 generator=torch.Generator().manual_seed(seed) if seed is not None else None,
+                pooling=nr.pooling,
             )
             self.requests[nr.request_id] = st
             scheduled.append(st)
@@ -170,6 +181,8 @@ class ModelRunner:
             work.append((st, n))
         if not work:
             return StepResult(step_id=plan.step_id)
+        if self.task == "embed":
+            return self._execute_pooling(plan, work)
         if self.buckets is not None:
             return self._execute_bucketed(plan, work, self.buckets)
         # flat batch: decodes (1 token) first, then prefill chunks; plan order kept within each group
@@ -191,6 +204,23 @@ class ModelRunner:
         if samplers:
             logits = self.model.compute_logits(hidden[torch.tensor([last_tok[st.request_id] for st in samplers])])
         return self._sample(plan, samplers, logits)
+
+    def _execute_pooling(self, plan: StepPlan, work: list[tuple[RequestState, int]]) -> StepResult:
+        """Encoder step: each scheduled request is a whole prompt; one forward, one pooled
+        vector per request ([N, dim] float32, sent as the result's extra frame). Done requests
+        leave this worker at once."""
+        for st, n in work:
+            if st.pooling is None or st.num_computed_tokens or n != len(st.token_ids):
+                raise ValueError(f"request {st.request_id}: an embed request must be scheduled whole in one step")
+        lens = [n for _, n in work]
+        ids = torch.from_numpy(np.fromiter((t for st, _ in work for t in st.token_ids), dtype=np.int64))
+        hidden = self.model(ids, EncoderBatch.build(lens))
+        pooled = self.model.pool(hidden, lens, [st.pooling.normalize for st, _ in work])  # type: ignore[union-attr]
+        for st, _ in work:
+            self.requests.pop(st.request_id, None)
+        self.result_tensors = [pooled]
+        return StepResult(step_id=plan.step_id, pooled_request_ids=[st.request_id for st, _ in work],
+                          pooled=tensor_ref(1, pooled))
 
     # ------------------------------------------------------------------ bucketing mode
 
@@ -251,4 +281,14 @@ class ModelRunner:
             sampled_token_ids=ids,
             logprobs=logprobs,
             **extra,
+        )
+
+
+def _check_encoder_config(config: EngineConfig, mc: ModelConfig, max_model_len: int) -> None:
+    """An encoder runs each prompt whole within its absolute-position table, unbucketed."""
+    if config.bucketing:
+        raise ValueError("bucketing mode is not supported for the embed task")
+    if max_model_len > mc.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the encoder's {mc.max_position_embeddings} positions"
         )

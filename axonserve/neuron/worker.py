@@ -87,4 +87,4 @@ class WorkerActor(Actor):
                 continue
             result = self.runner.execute(plan)
             if self.push is not None:
-                await self.push.send_multipart(Codec.encode(result), copy=False)
+                await self.push.send_multipart(Codec.encode(result, self.runner.result_tensors), copy=False)

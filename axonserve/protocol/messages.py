@@ -12,6 +12,8 @@ from typing import Union
 
 import msgspec
 
+from axonserve.protocol.codec import TensorRef
+
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag_field="k"):
     """Base for wire messages (tag is the first array element)."""
@@ -88,12 +90,20 @@ class ParamError(ValueError):
 # --------------------------------------------------------------------------- client <-> scheduler
 
 
+class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True):
+    """Marks a request for the pooling (embed) task: the whole prompt runs in one step and the
+    request ends with one vector instead of tokens."""
+
+    normalize: bool | None = None  # L2-normalize; None: the model's sentence-transformers default
+
+
 class AddRequest(_Msg, tag=1):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = 0.0
     priority: int = 0
+    pooling: PoolingParams | None = None  # set: an embed request (params are then unused)
 
 
 class AbortRequest(_Msg, tag=2):
@@ -129,6 +139,7 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error_code: int = 0  # HTTP-style status for errors: 400 bad request, 503 overloaded, 500
+    embedding: TensorRef | None = None  # pooling requests: the vector, an extra frame of `Outputs`
 
 
 class Outputs(_Msg, tag=10):
@@ -146,6 +157,7 @@ class EngineInfo(_Msg, tag=11):
     eos_token_ids: list[int]
     vocab_size: int
     version: str = ""
+    task: str = "generate"  # generate | embed (pooling.resolve_task)
 
 
 class EngineStats(_Msg, tag=13):
@@ -185,6 +197,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     block_ids: list[int]
     num_computed_tokens: int
     params: SamplingParams
+    pooling: PoolingParams | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -218,6 +231,9 @@ class StepResult(_Msg, tag=21):
     error: str | None = None
     # bucketing mode: (phase, batch, query_len, kv_len) shapes this worker ran for the first time
     new_shapes: list[tuple[str, int, int, int]] = []
+    # pooling requests finished this step and their vectors: a [len, dim] float32 extra frame
+    pooled_request_ids: list[str] = []
+    pooled: TensorRef | None = None
 
 
 # --------------------------------------------------------------------------- control plane

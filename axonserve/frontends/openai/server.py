@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from axonserve import __version__
 from axonserve.config import EngineConfig
 from axonserve.frontends.client import AsyncEngineClient, EngineDeadError, RequestOutput
+from axonserve.frontends.openai.embeddings import EmbeddingRequest, create_embeddings
 from axonserve.frontends.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -225,6 +226,7 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         check_model(body.model)
+        client.require_task("generate", "Completions API")
         params = body.sampling_params()
         prompts = [await tokenize(p) for p in body.prompts()]
         rid = body.request_id or random_id("cmpl")
@@ -238,6 +240,7 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         check_model(body.model)
+        client.require_task("generate", "Chat Completions API")
         params = body.sampling_params()
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         ids = client.tokenizer.encode_chat(
@@ -253,6 +256,15 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
         if body.stream:
             return await _stream_response(fmt, streams, params.n, body.include_usage)
         return await _cancel_on_disconnect(raw, fmt.full(streams, params.n))
+
+    @app.post("/v1/embeddings", response_model=None)
+    async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
+        check_model(body.model)
+        if (reason := unavailable()) is not None:
+            raise EngineDeadError(reason)
+        rid = body.request_id or random_id("embd")
+        _note_access(request_id=rid)
+        return await _cancel_on_disconnect(raw, create_embeddings(client, body, model_name, rid))
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
