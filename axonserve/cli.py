@@ -40,7 +40,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=0,
                    help="bound on queued requests; beyond it requests get HTTP 503 (0: unbounded)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
-    p.add_argument("--num-workers", type=int, default=1, help="worker ranks")
+    p.add_argument("--num-workers", "--tensor-parallel-size", "-tp", type=int, default=1, dest="num_workers",
+                   help="worker ranks (tensor parallel over gloo)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE: split the experts over the ranks (all-to-all dispatch) instead of sharding each")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bucketing", action=argparse.BooleanOptionalAction, default=False,
@@ -91,6 +94,7 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         max_waiting=args.max_waiting,
         dtype=dtype,
         num_workers=args.num_workers,
+        enable_expert_parallel=args.enable_expert_parallel,
         threads=args.threads,
         seed=args.seed,
         bucketing=args.bucketing,

@@ -24,6 +24,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     max_waiting: int = 0  # bound on queued requests (0: unbounded); beyond it -> 503
     dtype: str = "float32"
     num_workers: int = 1  # worker ranks
+    enable_expert_parallel: bool = False  # MoE: experts split over the ranks (else each expert is sharded)
     seed: int = 0
     threads: int | None = None  # torch threads per worker; None: all cores / num_workers
     # Neuron bucketing mode: every step padded to static shapes (see engine/buckets.py);
@@ -39,6 +40,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # supervision
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 30.0
+    dist_timeout_s: float = 15.0  # a rank waiting this long in one collective fails: a peer rank died or hung
     ready_timeout_s: float = 600.0
     failure_grace_s: float = 3.0  # after a death: time to flush errors before everything stops
     log_format: str = "console"  # console | json

@@ -110,3 +110,61 @@ def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
             pad_token_id=0,
         )
     return out[0, len(prompt_ids):].tolist()
+
+
+# architecture -> (transformers config class, config fields that make it interesting when tiny)
+TINY_ARCHS: dict[str, tuple[str, dict]] = {
+    "LlamaForCausalLM": ("LlamaConfig", {}),
+    "MistralForCausalLM": ("MistralConfig", {"sliding_window": None}),
+    "Qwen2ForCausalLM": ("Qwen2Config", {}),
+    "Qwen3ForCausalLM": ("Qwen3Config", {}),
+    # layer 0 sparse (8 experts, top-2), layer 1 dense: both block kinds in 2 layers
+    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", {
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+        "mlp_only_layers": [1]}),
+}
+
+
+def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None = None, seed: int = 0, **overrides) -> str:
+    """Random-weight decoder of architecture `arch` (2 layers, hidden 64, 4 query / 2 KV heads).
+
+    Matrices are N(0, 0.1) so logits are well apart (few greedy near-ties); norm weights
+    U(0.5, 1.5) and biases N(0, 0.1), because transformers' ones and zeros would hide a norm or
+    bias that is not loaded. With `tokenizer_dir` the model gets its vocab (49152) and tokenizer."""
+    import torch
+    import transformers
+
+    config_cls, extra = TINY_ARCHS[arch]
+    cfg = dict(
+        vocab_size=49152 if tokenizer_dir else 1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        **extra,
+    )
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**cfg)
+    model = getattr(transformers, arch)(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1)
+            elif name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.1)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer_dir:
+        for name in TOKENIZER_FILES:
+            src = os.path.join(tokenizer_dir, name)
+            if os.path.exists(src) and name != "generation_config.json":
+                shutil.copy(src, os.path.join(out_dir, name))
+    return out_dir

@@ -1,6 +1,8 @@
 """What the device layer needs from a model directory's config.json, without importing torch.
 
 Both transformers 4 (`rope_theta` + `rope_scaling`) and 5 (`rope_parameters`) layouts are read.
+Facts an architecture implies without writing them down (Qwen2's Q/K/V biases, Qwen3's q/k
+norms) are set by the model classes, not here.
 """
 
 from __future__ import annotations
@@ -9,6 +11,10 @@ import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+import structlog
+
+log = structlog.get_logger()
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -42,12 +48,23 @@ class ModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: list[int]
     bos_token_id: int | None = None
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v/o biases (Llama's attention_bias)
     mlp_bias: bool = False
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    qkv_bias: bool = False  # q/k/v biases (Qwen2 has them without an o_proj bias)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    hidden_act: str = "silu"
+    sliding_window: int | None = None  # None: no layer uses sliding-window attention
+    # mixture of experts (Qwen3-MoE); num_experts == 0: dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    decoder_sparse_step: int = 1  # every step-th layer is sparse...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ...except these, which stay dense
 
     @classmethod
-    def from_dir(cls, path: str) -> "ModelConfig":
+    def from_dir(cls, path: str) -> ModelConfig:
         cfg = _read_json(os.path.join(path, "config.json"))
         gen_path = os.path.join(path, "generation_config.json")
         gen = _read_json(gen_path) if os.path.exists(gen_path) else {}
@@ -81,7 +98,37 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             raw=cfg,
+            qkv_bias=bool(cfg.get("attention_bias", False)),
+            hidden_act=str(cfg.get("hidden_act", "silu")),
+            sliding_window=_sliding_window(cfg),
+            num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0),
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+            mlp_only_layers=[int(i) for i in cfg.get("mlp_only_layers") or []],
         )
+
+    def is_moe_layer(self, i: int) -> bool:
+        """transformers' Qwen3-MoE rule for which decoder layers hold a sparse MoE block."""
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    def max_model_len_for(self, requested: int | None) -> int:
+        """The longest sequence to serve: `requested`, else the model's maximum.
+
+        Sliding-window attention is not implemented; full attention is exact while every sequence
+        fits in the window, so the default is capped there and a longer request is an error."""
+        n = requested or self.max_position_embeddings
+        w = self.sliding_window
+        if w is None or n <= w:
+            return n
+        if requested:
+            raise ValueError(
+                f"{self.architecture} uses sliding-window attention (window {w}), which is not supported: "
+                f"max_model_len {requested} exceeds the window; use --max-model-len {w} or less"
+            )
+        log.warning("model.max_len_capped_to_sliding_window", window=w, model_max=n)
+        return w
 
     def kv_bytes_per_token(self, dtype: str = "float32", tp_size: int = 1) -> int:
         """K and V bytes one token occupies across all layers (on one rank)."""
@@ -89,5 +136,28 @@ class ModelConfig:
         return 2 * self.num_layers * kv_heads * self.head_dim * _DTYPE_BYTES[dtype]
 
 
+def _sliding_window(cfg: dict[str, Any]) -> int | None:
+    """The window if any layer slides: Mistral slides everywhere when `sliding_window` is set;
+    Qwen2/3 only with `use_sliding_window`, on the layers that `layer_types` (or, before it,
+    `max_window_layers`) marks."""
+    w = cfg.get("sliding_window")
+    if not w or cfg.get("use_sliding_window") is False:
+        return None
+    n = int(cfg["num_hidden_layers"])
+    if cfg.get("layer_types"):
+        slides = "sliding_attention" in cfg["layer_types"]
+    elif "max_window_layers" in cfg:
+        slides = int(cfg["max_window_layers"]) < n
+    else:
+        slides = True
+    return int(w) if slides else None
+
+
 def _arch_from_model_type(model_type: str) -> str:
-    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}.get(model_type, model_type)
+    return {
+        "llama": "LlamaForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
+    }.get(model_type, model_type)

@@ -24,7 +24,7 @@ from axonserve.neuron.config import ModelConfig
 from axonserve.neuron.loader import load_model
 from axonserve.neuron.models.bert import EncoderBatch
 from axonserve.neuron.ops.attention import AttentionMetadata, build_static
-from axonserve.neuron.parallel import TPInfo, init_tensor_parallel, tp_broadcast_ids
+from axonserve.neuron.parallel import CollectiveError, TPInfo, init_tensor_parallel, tp_broadcast_ids
 from axonserve.neuron.pooling import resolve_task
 from axonserve.neuron.sampler import Sampler
 from axonserve.protocol import tensor_ref
@@ -66,9 +66,10 @@ class ModelRunner:
         cores = len(os.sched_getaffinity(0))
         torch.set_num_threads(config.threads or max(1, cores // config.num_workers))
         torch.manual_seed(config.seed)
-        init_tensor_parallel(rank, config.num_workers, dist_init)
+        init_tensor_parallel(rank, config.num_workers, dist_init, expert_parallel=config.enable_expert_parallel,
+                             timeout_s=config.dist_timeout_s)
         mc = ModelConfig.from_dir(config.model)
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.max_model_len = mc.max_model_len_for(config.max_model_len)
         self.task = resolve_task(config.model, config.task)
         if self.task == "embed":
             _check_encoder_config(config, mc, self.max_model_len)
@@ -133,6 +134,8 @@ class ModelRunner:
         try:
             with torch.inference_mode():
                 result = self._execute(plan)
+        except CollectiveError:  # the tensor-parallel group is broken: this rank cannot go on
+            raise
         except Exception as e:  # a bad step must not take the worker down
             log.error("runner.step_failed", step_id=plan.step_id, error=repr(e), tb=traceback.format_exc())
             return StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}")

@@ -1,38 +1,83 @@
-"""Tensor-parallel group state and the three collectives the model needs (gloo on CPU)."""
+"""Tensor/expert-parallel group state and the collectives the model needs (gloo on CPU).
+
+Every collective goes through `_collective`, which turns a backend failure (a peer rank
+died: connection reset; a peer rank hung: gloo's timeout, set by `dist_timeout_s`) into a
+`CollectiveError`. The group is then broken for good, so the runner re-raises it and the
+worker actor reports itself failed instead of answering the step.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TypeVar
+
+import structlog
 import torch
 import torch.distributed as dist
-import structlog
 
 log = structlog.get_logger()
 
+T = TypeVar("T")
+
 
 class TPInfo:
-    """Rank and world size of the tensor-parallel group (1 process = rank 0 of 1)."""
+    """Rank and world size of the tensor-parallel group (1 process = rank 0 of 1), and whether
+    MoE experts are split across its ranks (expert parallelism) instead of sharded within."""
 
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str | None) -> None:
-    """Join the group (unless the caller already did) before any model is built."""
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer rank died or hung. This rank cannot go on."""
+
+
+def init_tensor_parallel(
+    rank: int,
+    size: int,
+    init_method: str | None,
+    *,
+    expert_parallel: bool = False,
+    timeout_s: float | None = None,
+) -> None:
+    """Join the group (unless the caller already did) before any model is built.
+
+    timeout_s bounds every later collective: a rank waiting that long for a peer raises
+    CollectiveError. The rendezvous itself keeps torch's default timeout (ranks may start
+    seconds apart under load)."""
     if size > 1 and not dist.is_initialized():
         if not init_method:
             raise ValueError("tensor parallelism needs an init_method (tcp://host:port) for torch.distributed")
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
         log.info("tp.joined", rank=rank, size=size)
-    TPInfo.rank, TPInfo.size = rank, size
+    if size > 1 and timeout_s:
+        set_collective_timeout(timeout_s)
+    TPInfo.rank, TPInfo.size, TPInfo.expert_parallel = rank, size, expert_parallel
+
+
+def set_collective_timeout(seconds: float) -> None:
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+
+
+def _collective(op: str, fn: Callable[..., T], *args, **kwargs) -> T:
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as e:
+        why = str(e).split("\n", 1)[0].rsplit("] ", 1)[-1][:200]  # gloo: "[path:line] message"
+        raise CollectiveError(
+            f"{op} on rank {TPInfo.rank} of {TPInfo.size} failed, a peer rank died or hung: {why}"
+        ) from e
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     if TPInfo.size > 1:
         if x.dtype == torch.float32:
-            dist.all_reduce(x)
+            _collective("all_reduce", dist.all_reduce, x)
         else:  # reduce low-precision partial sums in float32
             y = x.float()
-            dist.all_reduce(y)
+            _collective("all_reduce", dist.all_reduce, y)
             x.copy_(y)
     return x
 
@@ -42,8 +87,34 @@ def tp_all_gather_last(x: torch.Tensor) -> torch.Tensor:
     if TPInfo.size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(TPInfo.size)]
-    dist.all_gather(parts, x.contiguous())
+    _collective("all_gather", dist.all_gather, parts, x.contiguous())
     return torch.cat(parts, dim=-1)
+
+
+def tp_all_gather_rows(x: torch.Tensor, rows_per_rank: int, total: int) -> torch.Tensor:
+    """Concatenate every rank's rows (rank r holds at most rows_per_rank) and keep the first `total`."""
+    if TPInfo.size == 1:
+        return x
+    padded = x.new_zeros((rows_per_rank, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in range(TPInfo.size)]
+    _collective("all_gather", dist.all_gather, parts, padded)
+    return torch.cat(parts)[:total]
+
+
+def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+    """Rows [sum(send_splits[:d]), +send_splits[d]) of x go to rank d; the rows from every rank
+    come back concatenated in rank order (recv_splits[s] from rank s)."""
+    out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+    _collective("all_to_all", dist.all_to_all_single, out, x.contiguous(), recv_splits, send_splits)
+    return out
+
+
+def all_to_all_equal(x: torch.Tensor) -> torch.Tensor:
+    """Equal splits: chunk d of x goes to rank d; chunk s of the result came from rank s."""
+    out = torch.empty_like(x)
+    _collective("all_to_all", dist.all_to_all_single, out, x.contiguous())
+    return out
 
 
 def tp_broadcast_ids(ids: list[int]) -> list[int]:
@@ -51,5 +122,5 @@ def tp_broadcast_ids(ids: list[int]) -> list[int]:
     if TPInfo.size == 1:
         return ids
     t = torch.tensor(ids, dtype=torch.long)
-    dist.broadcast(t, src=0)
+    _collective("broadcast", dist.broadcast, t, src=0)
     return t.tolist()

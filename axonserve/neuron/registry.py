@@ -5,11 +5,15 @@ from __future__ import annotations
 from torch import nn
 
 from axonserve.neuron.models.bert import BertModel
-from axonserve.neuron.models.llama import LlamaForCausalLM
+from axonserve.neuron.models.llama import LlamaForCausalLM, MistralForCausalLM
+from axonserve.neuron.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,  # same tensors and math when no sliding window is used
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "BertModel": BertModel,  # encoder: embed task only (pooling.EMBEDDING_ARCHITECTURES)
 }
 

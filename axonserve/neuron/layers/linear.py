@@ -68,6 +68,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False, dtype: torch.dtype = torch.float32
     ):
         tp = TPInfo.size
+        if num_heads % tp or (num_kv_heads % tp and tp % num_kv_heads):
+            raise ValueError(
+                f"{num_heads} query / {num_kv_heads} KV heads do not split over {tp} tensor-parallel ranks "
+                "(KV heads must divide evenly or be replicated evenly)"
+            )
         self.head_dim = head_dim
         self.num_heads = num_heads // tp
         self.num_kv_heads = max(1, num_kv_heads // tp)

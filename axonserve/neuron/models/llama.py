@@ -1,8 +1,17 @@
-"""Llama (and Mistral-shaped) decoder in plain PyTorch over a flat, paged token batch."""
+"""Llama-family decoder in plain PyTorch over a flat, paged token batch.
+
+One implementation serves every architecture that is Llama plus switches read from ModelConfig:
+Q/K/V biases (Qwen2), per-head q/k RMSNorm before RoPE (Qwen3), sparse MoE blocks on some
+layers (Qwen3-MoE). Architecture classes only set what their config.json leaves unsaid
+(`arch_config`) and how their checkpoint names map onto our fused parameters.
+"""
 
 from __future__ import annotations
 
-from typing import Iterable
+import dataclasses
+import re
+from collections.abc import Iterable
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +25,7 @@ from axonserve.neuron.layers.linear import (
     RowParallelLinear,
     default_weight_loader,
 )
+from axonserve.neuron.layers.moe import SparseMoeBlock
 from axonserve.neuron.layers.norm import RMSNorm
 from axonserve.neuron.layers.rotary import RotaryEmbedding, apply_rotary
 from axonserve.neuron.ops.attention import AttentionMetadata, paged_attention
@@ -27,9 +37,12 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias, dtype
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias or cfg.attention_bias, dtype
         )
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias, dtype)
+        # Qwen3: RMSNorm over each head's dims (weights shared by all heads, so any head shard works)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
@@ -39,7 +52,10 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         t, d, hq, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, d)
-        qk = apply_rotary(qkv[:, : hq + hkv], cos, sin)  # Q and K heads are adjacent: rotate both at once
+        qk = qkv[:, : hq + hkv]  # Q and K heads are adjacent: rotate both at once
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq : hq + hkv])), dim=1)  # type: ignore[misc]
+        qk = apply_rotary(qk, cos, sin)
         o = paged_attention(qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :], kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.view(t, -1))
 
@@ -57,12 +73,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(cfg, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(cfg, dtype)
+        self.mlp: nn.Module
+        if cfg.is_moe_layer(index):
+            self.mlp = SparseMoeBlock(
+                cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
+                cfg.norm_topk_prob, dtype,
+            )
+        else:
+            self.mlp = LlamaMLP(cfg, dtype)
 
     def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
@@ -73,7 +96,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype)
 
@@ -85,9 +108,14 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
 
+# per-expert checkpoint tensors -> our fused expert parameters (see layers/moe.py)
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
 class LlamaForCausalLM(nn.Module):
+    arch_config: ClassVar[dict[str, Any]] = {}  # ModelConfig fields the architecture implies
     # checkpoint name fragment -> (fused parameter fragment, shard id)
-    stacked = {
+    stacked: ClassVar[dict[str, tuple[str, str | int]]] = {
         ".q_proj.": (".qkv_proj.", "q"),
         ".k_proj.": (".qkv_proj.", "k"),
         ".v_proj.": (".qkv_proj.", "v"),
@@ -97,8 +125,9 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
-        if cfg.raw.get("sliding_window") and cfg.raw["sliding_window"] < cfg.max_position_embeddings:
-            raise ValueError("sliding-window attention is not supported by the Llama implementation")
+        cfg = dataclasses.replace(cfg, **self.arch_config)
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"{cfg.architecture}: activation {cfg.hidden_act!r} is not supported; supported: silu")
         self.config = cfg
         self.model = LlamaModel(cfg, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
@@ -124,11 +153,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            shard = None
-            for frag, (fused, shard_id) in self.stacked.items():
-                if frag in name:
-                    name, shard = name.replace(frag, fused), shard_id
-                    break
+            name, shard = self.param_name(name)
             if name not in params:
                 raise KeyError(f"checkpoint tensor {name} has no parameter in {type(self).__name__}")
             p = params[name]
@@ -140,3 +165,20 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}")
         return loaded
+
+    def param_name(self, name: str) -> tuple[str, Any]:
+        """Our parameter for a checkpoint tensor name, and which shard of it the tensor fills."""
+        m = _EXPERT.search(name)
+        if m:
+            e, proj = int(m[1]), m[2]
+            if proj == "down":
+                return name[: m.start()] + ".experts.down_proj", e
+            return name[: m.start()] + ".experts.gate_up_proj", (e, 0 if proj == "gate" else 1)
+        for frag, (fused, shard_id) in self.stacked.items():
+            if frag in name:
+                return name.replace(frag, fused), shard_id
+        return name, None
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama's tensors and math; its sliding window is bounded by ModelConfig.max_model_len_for."""
