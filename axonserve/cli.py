@@ -61,6 +61,30 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "to max_model_len); max_model_len is capped at the largest")
     p.add_argument("--log-format", default="console", choices=["console", "json"])
     p.add_argument("--log-level", default="info")
+    p.add_argument("--profile-dir", default=os.environ.get("VLLM_TORCH_PROFILER_DIR", ""), metavar="DIR",
+                   help="enable POST /start_profile and /stop_profile: torch.profiler traces per worker "
+                        "rank go here (default: $VLLM_TORCH_PROFILER_DIR)")
+    p.add_argument("--snapshot", type=_snapshot_rules, default=None, metavar="RULES",
+                   help="capture tensors for matching requests/steps into --snapshot-dir. " + _rules_help())
+    p.add_argument("--snapshot-dir", default="axonserve-snapshots", metavar="DIR",
+                   help="where the snapshot sink writes safetensors files and index.json "
+                        "(read them with `axonserve snapshot ls|show DIR`)")
+
+
+def _rules_help() -> str:
+    from axonserve.neuron.snapshot import RULES_HELP  # (torch is imported lazily there)
+
+    return RULES_HELP
+
+
+def _snapshot_rules(text: str) -> str:
+    """argparse type: validated rules as canonical JSON (what travels in EngineConfig)."""
+    from axonserve.neuron.snapshot import SnapshotRules
+
+    try:
+        return SnapshotRules.parse(text).to_json()
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def requested_task(task: str, runner: str) -> str:
@@ -104,6 +128,9 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         decode_len_buckets=args.decode_len_buckets,
         log_format=args.log_format,
         log_level=args.log_level,
+        profile_dir=os.path.abspath(args.profile_dir) if args.profile_dir else "",
+        snapshot=args.snapshot or "",
+        snapshot_dir=os.path.abspath(args.snapshot_dir) if args.snapshot else "",
         **extra,
     )
 
@@ -163,6 +190,11 @@ def main(argv: list[str] | None = None) -> None:
     from axonserve.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from axonserve.actors.snapshot import add_snapshot_parser
+    from axonserve.validate import add_validate_parser
+
+    add_snapshot_parser(sub)
+    add_validate_parser(sub)
     args = parser.parse_args(argv)
     setup_logging(getattr(args, "log_format", "console"), getattr(args, "log_level", "info"),
                   actor="launcher")

@@ -45,6 +45,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     failure_grace_s: float = 3.0  # after a death: time to flush errors before everything stops
     log_format: str = "console"  # console | json
     log_level: str = "info"
+    # observability
+    profile_dir: str = ""  # torch.profiler traces per worker rank (POST /start_profile); "" = off
+    snapshot: str = ""  # tensor snapshot rules as JSON (neuron/snapshot.py SnapshotRules); "" = off
+    snapshot_dir: str = ""  # where the snapshot sink writes safetensors files + index.json
 
 
 class Addresses(msgspec.Struct, kw_only=True):
@@ -57,6 +61,7 @@ class Addresses(msgspec.Struct, kw_only=True):
     stats: str = ""  # every actor PUSH (non-blocking) -> metrics actor PULL
     metrics: str = ""  # metrics actor ROUTER: GetMetrics -> MetricsText
     dist_init: str = ""  # torch.distributed init_method for worker ranks (tcp://host:port)
+    snapshot: str = ""  # worker rank 0 PUSH (non-blocking) -> snapshot sink PULL
 
     @classmethod
     def in_dir(cls, d: str, dist_port: int = 0) -> "Addresses":
@@ -68,6 +73,7 @@ class Addresses(msgspec.Struct, kw_only=True):
             stats=f"ipc://{d}/stats",
             metrics=f"ipc://{d}/metrics",
             dist_init=f"tcp://127.0.0.1:{dist_port}" if dist_port else "",
+            snapshot=f"ipc://{d}/snapshot",
         )
 
 

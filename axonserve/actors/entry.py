@@ -44,6 +44,10 @@ def actor_class(kind: str):
         from axonserve.actors.metrics import MetricsActor
 
         return MetricsActor
+    if kind == "snapshot":
+        from axonserve.actors.snapshot import SnapshotSink
+
+        return SnapshotSink
     if kind == "frontend":
         from axonserve.frontends.openai.actor import FrontendActor
 

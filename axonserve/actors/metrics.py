@@ -34,6 +34,10 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# a step's timeline: schedule -> send (plan out) -> [worker: forward, sample] -> return (the
+# rest of the round trip: transit both ways, worker bookkeeping) -> update (apply, send outputs);
+# roundtrip = send + forward + sample + return
+STEP_PHASES = ("schedule", "send", "forward", "sample", "return", "update", "roundtrip")
 STEP_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05,
                 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -103,7 +107,7 @@ class EngineMetrics:
                 self.ttft.labels(m).observe(v)
             for v in ev.itl_s:
                 self.itl.labels(m).observe(v)
-            for phase in ("schedule", "roundtrip", "forward", "sample", "update"):
+            for phase in STEP_PHASES:
                 self.step_time.labels(m, phase).observe(getattr(ev, f"{phase}_s"))
             self.dropped.labels(m, "scheduler").set(ev.dropped)
         elif isinstance(ev, RequestStats):

@@ -43,6 +43,8 @@ class Actor:
         self.addresses = spec.addresses
         self.ctx = zmq.asyncio.Context()
         self.log = structlog.get_logger().bind(actor=self.name)
+        if spec.kind == "worker":  # on every line of this process, module loggers included
+            structlog.contextvars.bind_contextvars(rank=spec.rank)
         self.stopping = asyncio.Event()
         self.configured: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._control = self.socket(zmq.DEALER, self.addresses.control, identity=self.name.encode())

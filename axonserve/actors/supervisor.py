@@ -95,6 +95,9 @@ class Supervisor:
                                addresses=self.addresses))
         specs.append(ActorSpec(kind="metrics", name="metrics", config=self.config,
                                addresses=self.addresses))
+        if self.config.snapshot:  # tensor snapshots: the sink that writes them to disk
+            specs.append(ActorSpec(kind="snapshot", name="snapshot", config=self.config,
+                                   addresses=self.addresses))
         if self.with_frontend:
             specs.append(ActorSpec(kind="frontend", name="frontend", config=self.config,
                                    addresses=self.addresses))

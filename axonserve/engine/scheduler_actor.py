@@ -5,20 +5,22 @@ XPUB (one step plan reaches every rank), PULL (rank 0's step results). Client me
 handled by their own task between steps, so requests join the running batch at the next
 step and aborts apply before the next plan. Any worker failure fails every in-flight
 request with an error delta and tells every client the engine is dead — never a hang.
+Profiler start/stop requests are queued and sent to the ranks between steps (they share the
+plan and result sockets with steps, so the two never interleave).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import zmq
 
 from axonserve import __version__
 from axonserve.actors.runtime import Actor
 from axonserve.engine.buckets import BucketConfig
-from axonserve.engine.request import Request
+from axonserve.engine.request import Request, Status
 from axonserve.engine.scheduler import Scheduler, SchedulerConfig
 from axonserve.neuron.pooling import resolve_task
 from axonserve.protocol import ClientToEngine, Codec, DecodeError, TensorRef
@@ -32,14 +34,21 @@ from axonserve.protocol.messages import (
     GetStats,
     Outputs,
     ParamError,
+    ProfileAck,
+    ProfileCommand,
+    ProfileStatus,
     RequestDelta,
+    StartProfile,
     StepPlan,
     StepResult,
     StepStats,
+    StopProfile,
+    WorkerReply,
 )
 
 _client_codec = Codec(ClientToEngine)
-_result_codec = Codec(StepResult)
+_result_codec = Codec(WorkerReply)
+PROFILE_TIMEOUT_S = 120.0  # stopping writes every rank's trace
 
 
 class SchedulerActor(Actor):
@@ -101,6 +110,8 @@ class SchedulerActor(Actor):
         self.dead_reason: str | None = None
         self._dead = asyncio.Event()
         self._work = asyncio.Event()
+        self._profile_q: deque[tuple[bytes, str]] = deque()  # (client, start|stop), run between steps
+        self._profile_seq = 0
         return {"num_kv_blocks": self.sched.cfg.num_kv_blocks, "max_model_len": max_len}
 
     async def _wait_subscribers(self, n: int) -> None:
@@ -144,6 +155,17 @@ class SchedulerActor(Actor):
                     await self._send_deltas([self._final(r) for r in aborted])
             elif isinstance(msg, GetStats):
                 await self._send(ident, self._engine_stats())
+            elif isinstance(msg, (StartProfile, StopProfile)):
+                action = "start" if isinstance(msg, StartProfile) else "stop"
+                if not self.config.profile_dir:
+                    await self._send(ident, ProfileStatus(action, code=400, error=(
+                        "profiling is disabled: start the server with --profile-dir DIR "
+                        "(or VLLM_TORCH_PROFILER_DIR)")))
+                elif self.dead_reason is not None:
+                    await self._send(ident, ProfileStatus(action, code=503, error=f"engine is dead: {self.dead_reason}"))
+                else:
+                    self._profile_q.append((ident, action))
+                    self._work.set()
             elif isinstance(msg, GetEngineInfo):
                 await self._send(ident, self.engine_info)
                 if self.dead_reason is not None:
@@ -151,6 +173,7 @@ class SchedulerActor(Actor):
 
     async def _add(self, ident: bytes, msg: AddRequest) -> None:
         def reject(why: str, code: int = 400) -> RequestDelta:
+            self.log.warning("request.rejected", request_id=msg.request_id, reason=why, code=code)
             return RequestDelta(msg.request_id, finish_reason="error", error=why, error_code=code)
 
         if self.dead_reason is not None:
@@ -183,6 +206,8 @@ class SchedulerActor(Actor):
             return
         self.sched.add(req)
         self._owner[req.request_id] = ident
+        self.log.debug("request.added", request_id=req.request_id, prompt_tokens=len(msg.prompt_token_ids),
+                       max_tokens=msg.params.max_tokens, priority=msg.priority)
         self._work.set()
 
     def _engine_stats(self) -> EngineStats:
@@ -192,6 +217,8 @@ class SchedulerActor(Actor):
 
     async def _step_loop(self) -> None:
         while self.dead_reason is None:
+            while self._profile_q and self.dead_reason is None:
+                await self._run_profile(*self._profile_q.popleft())
             t0 = time.perf_counter()
             plan = self.sched.schedule() if self.sched.has_work else None
             if plan is None:
@@ -201,8 +228,10 @@ class SchedulerActor(Actor):
                 else:
                     await self._work.wait()
                 continue
+            self._log_preempted(plan)
             t1 = time.perf_counter()
             await self.pub.send_multipart(Codec.encode(plan), copy=False)
+            t_sent = time.perf_counter()
             result = await self._await_result(plan)
             if result is None:
                 return
@@ -210,10 +239,32 @@ class SchedulerActor(Actor):
             deltas = self.sched.update(result)
             if deltas:
                 await self._send_deltas(deltas, self.pooled_rows)
-            self._publish_step(plan, result, t1 - t0, t2 - t1, time.perf_counter() - t2)
+            self._publish_step(plan, result, t1 - t0, t2 - t1, time.perf_counter() - t2, t_sent - t1)
+
+    def _log_preempted(self, plan: StepPlan) -> None:
+        """Requests whose worker state this plan drops while they wait again were preempted."""
+        for rid in plan.finished_request_ids:
+            req = self.sched.requests.get(rid)
+            if req is not None and req.status == Status.PREEMPTED:
+                self.log.info("request.preempted", request_id=rid, num_tokens=req.num_tokens,
+                              num_preemptions=self.sched.num_preemptions)
+
+    async def _run_profile(self, ident: bytes, action: str) -> None:
+        """Send a profiler command to every rank and answer the client with rank 0's ack."""
+        self._profile_seq += 1
+        cmd = ProfileCommand(action, self._profile_seq, stamp=time.time_ns())
+        await self.pub.send_multipart(Codec.encode(cmd), copy=False)
+        ack = await self._await_reply(f"profiler {action} #{cmd.seq}", PROFILE_TIMEOUT_S)
+        if ack is None:
+            return
+        if not isinstance(ack, ProfileAck) or ack.seq != cmd.seq:
+            await self._fail(f"profiler reply out of order (expected ack #{cmd.seq})")
+            return
+        self.log.info("profiler", action=action, error=ack.error, files=ack.files)
+        await self._send(ident, ProfileStatus(action, error=ack.error, code=ack.code, files=ack.files))
 
     def _publish_step(self, plan: StepPlan, result: StepResult, sched_s: float, rt_s: float,
-                      update_s: float) -> None:
+                      update_s: float, send_s: float = 0.0) -> None:
         """Stats for the metrics actor: gauges now, counters as deltas since the last step."""
         s = self.sched
         cur = (s.prompt_tokens, s.generation_tokens, s.num_preemptions, s.prefix_queries,
@@ -229,34 +280,38 @@ class SchedulerActor(Actor):
             schedule_s=sched_s, roundtrip_s=rt_s, forward_s=result.forward_s,
             sample_s=result.sample_s, update_s=update_s,
             ttft_s=s.ttft, itl_s=s.itl, dropped=self.stats_dropped,
+            send_s=send_s, return_s=max(0.0, rt_s - send_s - result.forward_s - result.sample_s),
         ))
         s.ttft, s.itl = [], []
         for ev in s.finished_stats:
             self.publish(ev)
         s.finished_stats = []
 
-    async def _await_result(self, plan: StepPlan) -> StepResult | None:
+    async def _await_reply(self, what: str, timeout: float) -> StepResult | ProfileAck | None:
+        """Rank 0's next reply; None (engine failed) on timeout, death or junk."""
         recv = asyncio.ensure_future(self.pull.recv_multipart(copy=False))
         dead = asyncio.ensure_future(self._dead.wait())
         try:
-            done, _ = await asyncio.wait(
-                {recv, dead},
-                timeout=self.config.heartbeat_timeout_s,
-                return_when=asyncio.FIRST_COMPLETED,
-            )
+            done, _ = await asyncio.wait({recv, dead}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             dead.cancel()
         if recv not in done:
             recv.cancel()
             if not self._dead.is_set():
-                await self._fail(f"worker rank 0 gave no result for step {plan.step_id}")
+                await self._fail(f"worker rank 0 gave no reply for {what}")
             return None
         try:
             frames = recv.result()
-            result, _ = _result_codec.decode(frames)
-            self.pooled_rows = _pooled_rows(result, frames)
+            reply, _ = _result_codec.decode(frames)
+            self.pooled_rows = _pooled_rows(reply, frames) if isinstance(reply, StepResult) else {}
         except DecodeError as e:
-            await self._fail(f"undecodable step result: {e}")
+            await self._fail(f"undecodable worker reply: {e}")
+            return None
+        return reply
+
+    async def _await_result(self, plan: StepPlan) -> StepResult | None:
+        result = await self._await_reply(f"step {plan.step_id}", self.config.heartbeat_timeout_s)
+        if result is None:
             return None
         if not isinstance(result, StepResult) or result.step_id != plan.step_id:
             await self._fail(f"step result out of order (expected step {plan.step_id})")
@@ -313,6 +368,11 @@ class SchedulerActor(Actor):
             if ident is not None:
                 by_client[ident].append(d)
         now = time.time()
+        for d in deltas:  # normal ends at debug (the frontend logs one access line per request)
+            if d.finish_reason:
+                emit = {"error": self.log.warning, "abort": self.log.info}.get(d.finish_reason, self.log.debug)
+                emit("request.finished", request_id=d.request_id, finish_reason=d.finish_reason,
+                     stop_reason=d.stop_reason, error=d.error)
         for ident, ds in by_client.items():
             frames: list[memoryview] = []
             for d in ds:

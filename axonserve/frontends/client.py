@@ -39,8 +39,11 @@ from axonserve.protocol.messages import (
     Outputs,
     ParamError,
     PoolingParams,
+    ProfileStatus,
     RequestDelta,
     SamplingParams,
+    StartProfile,
+    StopProfile,
     TokenLogprobs,
 )
 
@@ -50,6 +53,14 @@ _codec = Codec(EngineToClient)
 
 class EngineDeadError(RuntimeError):
     """The engine cannot serve (it died, hung, or this client was closed)."""
+
+
+class ProfileError(RuntimeError):
+    """A profiler start/stop failed; `status` is HTTP-style (400 not configured, 409 state)."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status or 500
 
 
 class RequestError(RuntimeError):
@@ -134,6 +145,7 @@ class AsyncEngineClient:
         self._routes: dict[str, _Request] = {}  # by engine request id (choice)
         self._last_rx = time.monotonic()
         self._stats_waiters: list[asyncio.Future[EngineStats]] = []
+        self._profile_waiters: list[asyncio.Future[ProfileStatus]] = []  # answered in order
         self._ping_sent: float | None = None
         self._tasks = [
             asyncio.create_task(self._reader(), name="engine-client-reader"),
@@ -312,6 +324,25 @@ class AsyncEngineClient:
         await self._send(GetStats())
         return await asyncio.wait_for(fut, timeout)
 
+    async def start_profile(self, timeout: float = 180.0) -> ProfileStatus:
+        """Start torch.profiler on every worker rank (needs the engine's profile dir)."""
+        return await self._profile(StartProfile(), timeout)
+
+    async def stop_profile(self, timeout: float = 180.0) -> ProfileStatus:
+        """Stop profiling; returns once every rank has written its trace (`files`)."""
+        return await self._profile(StopProfile(), timeout)
+
+    async def _profile(self, msg: StartProfile | StopProfile, timeout: float) -> ProfileStatus:
+        if self.dead:
+            raise EngineDeadError(self.dead_reason or "engine is dead")
+        fut: asyncio.Future[ProfileStatus] = asyncio.get_running_loop().create_future()
+        self._profile_waiters.append(fut)
+        await self._send(msg)
+        status = await asyncio.wait_for(fut, timeout)
+        if status.error is not None:
+            raise ProfileError(status.error, status.code)
+        return status
+
     async def abort(self, request_id: str) -> None:
         """Abort a request (user id, or one choice's engine id); its generate() ends "abort"."""
         req = self._requests.get(request_id)
@@ -335,6 +366,10 @@ class AsyncEngineClient:
         for cid, req in list(self._routes.items()):
             req.queue.put_nowait(RequestDelta(cid, finish_reason="error", error=reason))
         self._routes.clear()
+        for fut in self._profile_waiters:
+            if not fut.done():
+                fut.set_exception(EngineDeadError(reason))
+        self._profile_waiters.clear()
 
     async def _stream(
         self, request_id: str, prompt_ids: list[int], subs: list[SamplingParams]
@@ -440,6 +475,10 @@ class AsyncEngineClient:
                     if not fut.done():
                         fut.set_result(msg)
                 self._stats_waiters.clear()
+            elif isinstance(msg, ProfileStatus) and self._profile_waiters:
+                fut = self._profile_waiters.pop(0)  # answers come in request order
+                if not fut.done():  # (unless that caller timed out)
+                    fut.set_result(msg)
             elif isinstance(msg, EngineDead):
                 self.fail_all(f"engine died: {msg.reason}")
 

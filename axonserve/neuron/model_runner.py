@@ -27,6 +27,7 @@ from axonserve.neuron.ops.attention import AttentionMetadata, build_static
 from axonserve.neuron.parallel import CollectiveError, TPInfo, init_tensor_parallel, tp_broadcast_ids
 from axonserve.neuron.pooling import resolve_task
 from axonserve.neuron.sampler import Sampler
+from axonserve.neuron.snapshot import StepSnapshots, contiguous_rows, padded_rows
 from axonserve.protocol import tensor_ref
 from axonserve.protocol.messages import PoolingParams, SamplingParams, StepPlan, StepResult
 
@@ -96,6 +97,7 @@ class ModelRunner:
         self.result_tensors: list[torch.Tensor] = []  # extra frames the last StepResult's TensorRefs name
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self.requests: dict[str, RequestState] = {}
+        self.snapshots = StepSnapshots.from_config(self.model, config.snapshot, rank)  # --snapshot capture
         log.info(
             "runner.ready",
             rank=rank,
@@ -137,9 +139,10 @@ class ModelRunner:
         except CollectiveError:  # the tensor-parallel group is broken: this rank cannot go on
             raise
         except Exception as e:  # a bad step must not take the worker down
-            log.error("runner.step_failed", step_id=plan.step_id, error=repr(e), tb=traceback.format_exc())
+            log.error("runner.step_failed", step_id=plan.step_id, error=repr(e), tb=traceback.format_exc(),
+                      request_ids=[r.request_id for r in plan.new] + [r.request_id for r in plan.cached])
             return StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}")
-        result.forward_s = time.perf_counter() - t0
+        result.forward_s = time.perf_counter() - t0 - result.sample_s
         return result
 
     def _apply_diff(self, plan: StepPlan) -> list[RequestState]:
@@ -199,6 +202,8 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             [n for _, n in flat], [st.num_computed_tokens for st, _ in flat], [st.block_ids for st, _ in flat], self.block_size
         )
+        if self.snapshots is not None:
+            self.snapshots.begin(plan.step_id, contiguous_rows(flat), torch.tensor(input_ids), meta.positions)
         hidden = self.model(torch.from_numpy(np.asarray(input_ids, dtype=np.int64)), meta.positions, self.kv_caches, meta)
         for st, n in work:
             st.num_computed_tokens += n
@@ -257,6 +262,8 @@ class ModelRunner:
             dtype=np.int64,
         )
         input_ids = np.where(src >= 0, flat[np.maximum(src, 0)], 0)
+        if self.snapshots is not None:
+            self.snapshots.begin(plan.step_id, padded_rows(work, src), torch.from_numpy(input_ids), meta.positions)
         hidden = self.model(torch.from_numpy(input_ids), meta.positions, self.kv_caches, meta)
         # logits for every batch row (static [batch, vocab]); padding rows read row 0
         rows = np.zeros(shape[1], dtype=np.int64)
@@ -274,6 +281,9 @@ class ModelRunner:
         """Sample one token per finished request (rows of `logits`), append it, report it."""
         if not samplers:
             return StepResult(step_id=plan.step_id, **extra)
+        t0 = time.perf_counter()
+        if self.snapshots is not None:  # raw logits, before any mask or penalty
+            self.snapshots.add_logits([st.request_id for st in samplers], logits)
         ids, logprobs = self.sampler(logits, samplers)
         ids = tp_broadcast_ids(ids)
         for st, t in zip(samplers, ids):
@@ -283,6 +293,7 @@ class ModelRunner:
             request_ids=[st.request_id for st in samplers],
             sampled_token_ids=ids,
             logprobs=logprobs,
+            sample_s=time.perf_counter() - t0,
             **extra,
         )
 

@@ -3,20 +3,26 @@
 The forward pass runs inline on the event loop: a step is short, and staying on one thread
 avoids a hand-off per step. Model loading runs in a thread so the control channel stays
 responsive (a shutdown during a long load is honoured).
+
+Between steps the plan socket may also carry a `ProfileCommand` (profiler start/stop on
+every rank; rank 0 acknowledges once all ranks are done). With snapshot rules, rank 0 sends
+the step's captured tensors to the snapshot sink after its result, without ever waiting:
+records the sink has no room for are dropped and counted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 
 import zmq
 
 from axonserve.actors.runtime import Actor
 from axonserve.protocol import Codec, DecodeError
-from axonserve.protocol.messages import StepPlan
+from axonserve.protocol.messages import ProfileAck, ProfileCommand, StepPlan
 
-_plan_codec = Codec(StepPlan)
+_plan_codec = Codec(StepPlan | ProfileCommand)
 
 
 class WorkerActor(Actor):
@@ -40,6 +46,21 @@ class WorkerActor(Actor):
             )
         self.runner = await self._load_in_own_thread()
         r = self.runner
+        self.profiler = None
+        if self.config.profile_dir:
+            from axonserve.neuron.profiler import RankProfiler, model_device_type
+
+            self.profiler = RankProfiler(self.config.profile_dir, self.rank, model_device_type(r.model))
+        self.snap_sock: zmq.Socket | None = None
+        self.snapshots_dropped = 0
+        if r.snapshots is not None and self.addresses.snapshot:
+            from axonserve.actors.snapshot import QUEUE
+
+            # sync socket: NOBLOCK sends return at once (the stats socket's pattern)
+            self.snap_sock = zmq.Context.shadow(self.ctx.underlying).socket(zmq.PUSH)
+            self.snap_sock.setsockopt(zmq.SNDHWM, QUEUE)
+            self.snap_sock.setsockopt(zmq.LINGER, 2000)  # records of the last steps still leave
+            self.snap_sock.connect(self.addresses.snapshot)
         return {
             "num_kv_blocks": r.num_kv_blocks,
             "max_model_len": r.max_model_len,
@@ -70,7 +91,8 @@ class WorkerActor(Actor):
             except BaseException as e:  # noqa: BLE001 - re-raised on the loop
                 loop.call_soon_threadsafe(done.set_exception, e)
 
-        thread = threading.Thread(target=load, name="load-model", daemon=True)
+        ctx = contextvars.copy_context()  # log lines from the load keep actor/rank
+        thread = threading.Thread(target=ctx.run, args=(load,), name="load-model", daemon=True)
         thread.start()
         runner, threads = await done
         thread.join()
@@ -85,6 +107,81 @@ class WorkerActor(Actor):
             except DecodeError as e:
                 self.log.warning("bad_plan", error=str(e))
                 continue
-            result = self.runner.execute(plan)
+            if isinstance(plan, ProfileCommand):
+                ack = self._profile(plan)
+                if self.push is not None:
+                    await self.push.send_multipart(Codec.encode(ack), copy=False)
+                continue
+            if self.profiler is not None:
+                with self.profiler.step_scope(plan.step_id):
+                    result = self.runner.execute(plan)
+            else:
+                result = self.runner.execute(plan)
             if self.push is not None:
                 await self.push.send_multipart(Codec.encode(result, self.runner.result_tensors), copy=False)
+            if self.snap_sock is not None:
+                self._send_snapshots()
+
+    async def teardown(self) -> None:
+        """Write a running profile's trace; tell the sink how many records were dropped (a
+        record without tensors), then close the snapshot socket (it lives on a shadow context
+        the runtime does not track)."""
+        profiler = getattr(self, "profiler", None)
+        if profiler is not None and profiler.active:
+            profiler.stop()
+        if getattr(self, "snap_sock", None) is None:
+            return
+        from axonserve.protocol.messages import SnapshotRecord
+
+        self.snap_sock.setsockopt(zmq.SNDTIMEO, 2000)  # off the hot path: wait for room, bounded
+        try:
+            self.snap_sock.send_multipart(Codec.encode(SnapshotRecord("", -1, 0, self.rank,
+                                                                      dropped=self.snapshots_dropped)))
+        except zmq.Again:
+            self.log.warning("snapshot.final_count_lost", dropped=self.snapshots_dropped)
+        self.snap_sock.close(linger=2000)
+        self.snap_sock = None
+
+    def _send_snapshots(self) -> None:
+        assert self.snap_sock is not None and self.runner.snapshots is not None
+        for rec, tensors in self.runner.snapshots.take():
+            rec.dropped = self.snapshots_dropped
+            try:
+                self.snap_sock.send_multipart(Codec.encode(rec, tensors), flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                self.snapshots_dropped += 1
+                if self.snapshots_dropped == 1 or self.snapshots_dropped % 100 == 0:
+                    self.log.warning("snapshot.dropped", request_id=rec.request_id, step=rec.step,
+                                     dropped=self.snapshots_dropped)
+
+    def _profile(self, cmd: ProfileCommand) -> ProfileAck:
+        """Apply a profiler command on this rank; with several ranks, the ack reports a
+        failure on any of them (an all-reduce that also makes rank 0 wait for every trace)."""
+        from axonserve.neuron.profiler import ProfilerStateError
+
+        error, code, files = None, 0, []
+        try:
+            if self.profiler is None:
+                raise ProfilerStateError("profiling is not configured (--profile-dir)")
+            if cmd.action == "start":
+                self.profiler.start()
+            elif cmd.action == "stop":
+                files = self.profiler.stop(cmd.stamp)
+            else:
+                raise ValueError(f"unknown profiler action {cmd.action!r}")
+        except ProfilerStateError as e:
+            error, code = str(e), 409
+        except Exception as e:  # reported to the caller, the worker goes on
+            self.log.exception("profiler.failed", action=cmd.action)
+            error, code = f"{type(e).__name__}: {e}", 500
+        if self.config.num_workers > 1:
+            import torch
+            import torch.distributed as dist
+
+            flag = torch.tensor([code])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() and not code:
+                code, error = int(flag.item()), "the profiler failed on another rank (see its log)"
+            if not code and files and self.profiler is not None:  # every rank's trace, same stamp
+                files += [self.profiler.trace_path(r, cmd.stamp) for r in range(1, self.config.num_workers)]
+        return ProfileAck(cmd.action, cmd.seq, error=error, code=code, files=files)

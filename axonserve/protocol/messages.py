@@ -14,6 +14,8 @@ import msgspec
 
 from axonserve.protocol.codec import TensorRef
 
+from axonserve.protocol.codec import TensorRef
+
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag_field="k"):
     """Base for wire messages (tag is the first array element)."""
@@ -296,6 +298,8 @@ class StepStats(_Msg, tag=40):
     ttft_s: list[float] = []  # requests that got their first token this step
     itl_s: list[float] = []  # gaps before the other tokens of this step
     dropped: int = 0  # earlier stats events this publisher dropped
+    send_s: float = 0.0  # plan encoded and published to the workers
+    return_s: float = 0.0  # rest of the round trip: plan/result transit, worker bookkeeping
 
 
 class RequestStats(_Msg, tag=41):
@@ -328,9 +332,63 @@ class MetricsText(_Msg, tag=44):
     text: str
 
 
+# --------------------------------------------------------------------------- profiler, snapshots
+
+
+class StartProfile(_Msg, tag=60):
+    """Client -> scheduler: start torch.profiler on every worker rank (vLLM /start_profile)."""
+
+
+class StopProfile(_Msg, tag=61):
+    """Client -> scheduler: stop profiling; every rank writes its trace."""
+
+
+class ProfileStatus(_Msg, tag=62):
+    """Scheduler -> client: outcome of a Start/StopProfile. `code` is HTTP-style on failure
+    (400: profiling not configured, 409: already running / not running, 500)."""
+
+    action: str  # start | stop
+    error: str | None = None
+    code: int = 0
+    files: list[str] = []  # traces written (rank 0's view of every rank's file)
+
+
+class ProfileCommand(_Msg, tag=63):
+    """Scheduler -> every worker rank, between steps."""
+
+    action: str  # start | stop
+    seq: int = 0
+    stamp: int = 0  # shared by every rank's trace file name (time_ns at the scheduler)
+
+
+class ProfileAck(_Msg, tag=64):
+    """Worker rank 0 -> scheduler, once every rank has applied the command."""
+
+    action: str
+    seq: int = 0
+    error: str | None = None
+    code: int = 0
+    files: list[str] = []
+
+
+class SnapshotRecord(_Msg, tag=70):
+    """Worker -> snapshot sink: one request's captured tensors for one forward pass.
+    `step` is the output-token index the pass produces (0 = prefill); `tensors` names the
+    extra frames (input_ids, positions, hidden.<layer>, logits)."""
+
+    request_id: str
+    step: int
+    step_id: int
+    rank: int = 0
+    tensors: dict[str, TensorRef] = {}
+    time: float = 0.0
+    dropped: int = 0  # records this worker dropped before this one (sink lagging)
+
+
 StatsEvent = Union[StepStats, RequestStats, ActorAlive]
 
-ClientToEngine = Union[AddRequest, AbortRequest, GetEngineInfo, GetStats]
-EngineToClient = Union[Outputs, EngineInfo, EngineDead, EngineStats]
-WorkerMsg = Union[StepPlan, Shutdown]
+ClientToEngine = Union[AddRequest, AbortRequest, GetEngineInfo, GetStats, StartProfile, StopProfile]
+EngineToClient = Union[Outputs, EngineInfo, EngineDead, EngineStats, ProfileStatus]
+WorkerMsg = Union[StepPlan, Shutdown, ProfileCommand]
+WorkerReply = Union[StepResult, ProfileAck]
 Control = Union[Hello, Ready, Heartbeat, Shutdown, ActorFailed, Configure]

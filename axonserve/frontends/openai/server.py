@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from axonserve import __version__
 from axonserve.config import EngineConfig
-from axonserve.frontends.client import AsyncEngineClient, EngineDeadError, RequestOutput
+from axonserve.frontends.client import AsyncEngineClient, EngineDeadError, ProfileError, RequestOutput
 from axonserve.frontends.openai.embeddings import EmbeddingRequest, create_embeddings
 from axonserve.frontends.openai.protocol import (
     ChatChoice,
@@ -275,6 +275,18 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
         except (TimeoutError, asyncio.TimeoutError):
             return error_response(503, "metrics actor did not answer", "ServiceUnavailableError")
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/start_profile", response_model=None)
+    @app.post("/stop_profile", response_model=None)
+    async def profile(raw: Request) -> Response:
+        """vLLM's profiler routes: torch.profiler on every worker rank, traces in --profile-dir."""
+        start = raw.url.path == "/start_profile"
+        try:
+            st = await (client.start_profile() if start else client.stop_profile())
+        except ProfileError as e:
+            kind = {400: "BadRequestError", 409: "ConflictError"}.get(e.status, "InternalServerError")
+            return error_response(e.status, str(e), kind)
+        return JSONResponse({"status": "started" if start else "stopped", "files": st.files})
 
     return app
 
