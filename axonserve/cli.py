@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 
+import msgspec
 import structlog
 
 from axonserve import __version__
@@ -153,6 +154,10 @@ async def _serve(config: EngineConfig) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config(args, host=args.host, port=args.port)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    config = msgspec.structs.replace(config, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                                     tool_call_parser=args.tool_call_parser or "")
     import uvloop
 
     return uvloop.run(_serve(config))
@@ -180,6 +185,11 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='allow tool_choice "auto": the model decides, --tool-call-parser reads its calls')
+    serve.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
+                       help="how the model writes tool calls: hermes <tool_call>{...}</tool_call>, "
+                            "llama3_json {\"name\", \"parameters\"}")
     serve.set_defaults(func=cmd_serve)
     gen = sub.add_parser("generate", help="generate offline for prompts given on the command line")
     add_engine_args(gen)

@@ -37,6 +37,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # frontend
     host: str = "127.0.0.1"
     port: int = 8000
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser), as vLLM's flag
+    tool_call_parser: str = ""  # hermes | llama3_json (frontends/openai/tools.py)
     # supervision
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 30.0

@@ -27,6 +27,7 @@ from axonserve.neuron.ops.attention import AttentionMetadata, build_static
 from axonserve.neuron.parallel import CollectiveError, TPInfo, init_tensor_parallel, tp_broadcast_ids
 from axonserve.neuron.pooling import resolve_task
 from axonserve.neuron.sampler import Sampler
+from axonserve.neuron.structured import StructuredDecoding
 from axonserve.neuron.snapshot import StepSnapshots, contiguous_rows, padded_rows
 from axonserve.protocol import tensor_ref
 from axonserve.protocol.messages import PoolingParams, SamplingParams, StepPlan, StepResult
@@ -45,6 +46,7 @@ class RequestState:
     num_computed_tokens: int
     params: SamplingParams
     generator: torch.Generator | None
+    grammar: Any = None  # structured output: GrammarState, made at first sampling (rank 0)
     pooling: PoolingParams | None = None  # embed task: pooled once its whole prompt ran
 
 
@@ -96,6 +98,7 @@ class ModelRunner:
         self.kv_caches = [] if embed else self._allocate_kv_cache(self.num_kv_blocks + (self.buckets is not None))
         self.result_tensors: list[torch.Tensor] = []  # extra frames the last StepResult's TensorRefs name
         self.sampler = Sampler(self.eos_token_ids, config.seed)
+        self.structured = StructuredDecoding(config.model, self.vocab_size, self.eos_token_ids, enabled=rank == 0)
         self.requests: dict[str, RequestState] = {}
         self.snapshots = StepSnapshots.from_config(self.model, config.snapshot, rank)  # --snapshot capture
         log.info(
@@ -284,8 +287,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.snapshots is not None:  # raw logits, before any mask or penalty
             self.snapshots.add_logits([st.request_id for st in samplers], logits)
+        self.structured.mask_logits(logits, samplers)
         ids, logprobs = self.sampler(logits, samplers)
         ids = tp_broadcast_ids(ids)
+        self.structured.accept(samplers, ids)
         for st, t in zip(samplers, ids):
             st.token_ids.append(t)
         return StepResult(

@@ -1,6 +1,7 @@
 """Batched sampling where every request brings its own parameters.
 
-Order (vLLM semantics): raw logprobs -> penalties -> min_tokens mask -> greedy argmax, or
+Order (vLLM semantics): structured-output grammar mask (applied by the runner, see
+neuron/structured.py) -> raw logprobs -> penalties -> min_tokens mask -> greedy argmax, or
 temperature -> min_p -> top_k/top_p -> sample. Sampling uses the exponential race
 (argmax p / Exp(1)), so a seeded request draws only from its own generator and gets the
 same tokens whatever else shares the batch.
@@ -94,7 +95,10 @@ class Sampler:
             if len(r.token_ids) - r.num_prompt_tokens < r.params.min_tokens:
                 banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else self.eos_token_ids)
                 if banned:
+                    row = logits[i].clone()
                     logits[i, torch.tensor(banned)] = float("-inf")
+                    if torch.isinf(logits[i]).all():  # a complete grammar admits only EOS: it wins
+                        logits[i] = row
 
     def _random(self, logits: torch.Tensor, reqs: list[SamplingState]) -> torch.Tensor:
         temp = torch.tensor([r.params.temperature for r in reqs])[:, None]

@@ -24,6 +24,15 @@ class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag_fi
 # --------------------------------------------------------------------------- sampling
 
 
+class StructuredOutputsParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True):
+    """Output constrained to a grammar: `kind` "json" (JSON schema text), "regex", "choice"
+    (JSON list of strings) or "grammar" (Lark/GBNF). JSON is compact unless any_whitespace."""
+
+    kind: str
+    spec: str
+    any_whitespace: bool = False
+
+
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True):
     """Per-request decoding parameters, vLLM-compatible names and defaults.
 
@@ -48,6 +57,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (engine/structured.py)
 
     def validate(self) -> "SamplingParams":
         """Raise ValueError with the offending parameter named; return self."""
@@ -74,6 +84,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         for ok, param, why in checks:
             if not ok:
                 raise ParamError(param, f"{param} {why}")
+        if self.structured_outputs is not None:
+            from axonserve.engine.structured import check  # llguidance, only when used
+
+            check(self.structured_outputs)
         return self
 
     @property

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
+from axonserve.frontends.openai.structured_outputs import ResponseFormat, StructuredOutputsRequest
+from axonserve.frontends.openai.tools import ChatTool, DeltaToolCall, NamedToolChoice, ToolCall
 from axonserve.protocol.messages import ParamError, SamplingParams
 
 
@@ -54,6 +56,13 @@ class _Sampling(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     request_id: str | None = None
+    # structured outputs (structured_outputs.py): OpenAI's response_format, vLLM's extras
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.logit_bias:
@@ -132,6 +141,9 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None  # tool calling: tools.py
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # false: at most one call (tool_choice required)
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -191,6 +203,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -213,11 +226,15 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer
-    def _only_set(self) -> dict[str, str]:
+    def _only_set(self) -> dict[str, Any]:
         """Stream deltas carry only what changed (`{"content": "..."}`), like OpenAI's."""
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        out: dict[str, Any] = {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        if self.tool_calls is not None:
+            out["tool_calls"] = [t.model_dump() for t in self.tool_calls]
+        return out
 
 
 class ChatStreamChoice(BaseModel):

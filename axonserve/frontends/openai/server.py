@@ -49,6 +49,8 @@ from axonserve.frontends.openai.protocol import (
     UsageInfo,
     random_id,
 )
+from axonserve.frontends.openai.structured_outputs import with_structured_outputs
+from axonserve.frontends.openai.tools import ToolCallFormatter, plan_tools, template_messages
 from axonserve.protocol.messages import ParamError, SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -153,6 +155,7 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
     """The FastAPI app. `app.state.unhealthy` (a reason string) turns /health to 503.
     `metrics` returns the Prometheus text exposition (the metrics actor's) for `/metrics`."""
     app = FastAPI(title="axonserve", version=__version__, docs_url=None, redoc_url=None)
+    cfg = config or EngineConfig(model="")
     app.add_middleware(AccessLog)
     app.state.unhealthy = None
     model_name = client.info.served_model_name or (config and config.served_model_name) or client.info.model
@@ -227,7 +230,7 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         check_model(body.model)
         client.require_task("generate", "Completions API")
-        params = body.sampling_params()
+        params = with_structured_outputs(body.sampling_params(), body, client.tokenizer)
         prompts = [await tokenize(p) for p in body.prompts()]
         rid = body.request_id or random_id("cmpl")
         _note_access(request_id=rid)
@@ -241,18 +244,22 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         check_model(body.model)
         client.require_task("generate", "Chat Completions API")
-        params = body.sampling_params()
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        tools = plan_tools(body.tools, body.tool_choice, cfg.enable_auto_tool_choice, cfg.tool_call_parser,
+                           body.parallel_tool_calls)
+        params = with_structured_outputs(body.sampling_params(), body, client.tokenizer,
+                                         tools.structured if tools else None)
+        messages = template_messages([m.model_dump(exclude_none=True) for m in body.messages])
         ids = client.tokenizer.encode_chat(
             messages,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
+            **(tools.template_kwargs() if tools else {}),
             **(body.chat_template_kwargs or {}),
         )
         rid = body.request_id or random_id("chatcmpl")
         _note_access(request_id=rid)
         streams = start([ids], params, rid)
-        fmt = _ChatFormat(client, rid, model_name, params)
+        fmt = _ChatFormat(client, rid, model_name, params, tools=tools.formatter() if tools else None)
         if body.stream:
             return await _stream_response(fmt, streams, params.n, body.include_usage)
         return await _cancel_on_disconnect(raw, fmt.full(streams, params.n))
@@ -416,6 +423,11 @@ class _CompletionFormat(_Format):
 
 
 class _ChatFormat(_Format):
+    def __init__(self, *args: Any, tools: ToolCallFormatter | None = None):
+        """tools: finds tool calls in the output (requests with tools, tool_choice not none)."""
+        super().__init__(*args)
+        self.tools = tools
+
     def logprobs(self, out: RequestOutput) -> ChatLogprobs | None:
         if self.params.logprobs is None:
             return None
@@ -436,11 +448,14 @@ class _ChatFormat(_Format):
                 for i in range(num_choices)]
 
     def chunk(self, index: int, out: RequestOutput) -> str | None:
-        if not (out.text or out.finished or self.params.logprobs is not None):
+        text, calls, finish = out.text, None, out.finish_reason
+        if self.tools is not None:
+            text, calls, finish = self.tools.delta(index, out.text, out.finish_reason)
+        if not (text or calls or out.finished or self.params.logprobs is not None):
             return None
-        delta = DeltaMessage(content=out.text) if out.text else DeltaMessage()
+        delta = DeltaMessage(content=text or None, tool_calls=calls)
         return self._chunk([ChatStreamChoice(index=index, delta=delta, logprobs=self.logprobs(out),
-                                             finish_reason=out.finish_reason, stop_reason=out.stop_reason)])
+                                             finish_reason=finish, stop_reason=out.stop_reason)])
 
     def usage_chunk(self, usage: UsageInfo) -> str:
         return self._chunk([], usage)
@@ -452,9 +467,11 @@ class _ChatFormat(_Format):
             logprobs = None
             if self.params.logprobs is not None:
                 logprobs = ChatLogprobs(content=[c for o in steps for c in (self.logprobs(o).content or [])])  # type: ignore[union-attr]
-            choices.append(ChatChoice(index=index, message=ChatResponseMessage(content=last.output_text),
-                                      logprobs=logprobs, finish_reason=last.finish_reason,
-                                      stop_reason=last.stop_reason))
+            content, calls, finish = last.output_text, None, last.finish_reason
+            if self.tools is not None:
+                content, calls, finish = self.tools.message(last.output_text, last.finish_reason)
+            choices.append(ChatChoice(index=index, message=ChatResponseMessage(content=content, tool_calls=calls),
+                                      logprobs=logprobs, finish_reason=finish, stop_reason=last.stop_reason))
         return ChatCompletionResponse(id=self.rid, created=self.created, model=self.model,
                                       choices=choices, usage=usage)
 
