@@ -101,8 +101,8 @@ class StructuredDecoding:
                 self._fail(st, state, state.matcher.get_error())
 
     def _fail(self, st: _Sampled, state: GrammarState, why: str) -> None:
-        state.failed = True
-        log.error("structured.matcher_failed", request_id=st.request_id, error=why)
+        state.failed = True  # llguidance appends its whole parser state: keep the first line
+        log.error("structured.matcher_failed", request_id=st.request_id, error=why.strip().split("\n")[0][:300])
 
     # ------------------------------------------------------------------ per step
 
