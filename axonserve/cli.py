@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -153,7 +154,12 @@ async def _serve(config: EngineConfig) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    config = engine_config(args, host=args.host, port=args.port)
+    config = engine_config(args, host=args.host, port=args.port, allowed_origins=args.allowed_origins,
+                           allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
+                           allow_credentials=args.allow_credentials,
+                           max_request_body_bytes=args.max_request_body_bytes)
+    if args.api_key:  # children inherit the environment; argv is visible to every local user
+        os.environ["AXONSERVE_API_KEY"] = args.api_key
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     config = msgspec.structs.replace(config, enable_auto_tool_choice=args.enable_auto_tool_choice,
@@ -185,6 +191,14 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help="require `Authorization: Bearer KEY` on /v1/* (or set AXONSERVE_API_KEY / VLLM_API_KEY)")
+    serve.add_argument("--allowed-origins", type=json.loads, default=["*"], help="CORS origins (JSON list)")
+    serve.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS methods (JSON list)")
+    serve.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS headers (JSON list)")
+    serve.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    serve.add_argument("--max-request-body-bytes", type=int, default=32 * 2**20,
+                       help="larger HTTP request bodies get 413")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='allow tool_choice "auto": the model decides, --tool-call-parser reads its calls')
     serve.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,

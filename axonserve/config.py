@@ -37,8 +37,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # frontend
     host: str = "127.0.0.1"
     port: int = 8000
+    allowed_origins: list[str] = msgspec.field(default_factory=lambda: ["*"])  # CORS, as vLLM's flags
+    allowed_methods: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    max_request_body_bytes: int = 32 * 2**20  # larger bodies get 413
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser), as vLLM's flag
     tool_call_parser: str = ""  # hermes | llama3_json (frontends/openai/tools.py)
+    # the API key is not here: it travels in the environment (AXONSERVE_API_KEY), never argv
     # supervision
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 30.0

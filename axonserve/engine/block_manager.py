@@ -33,7 +33,8 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def usage(self) -> float:
-        return 1.0 - len(self._free) / max(self.num_blocks, 1)
+        """Fraction of blocks referenced by a request (0 for an empty pool: an encoder's)."""
+        return 1.0 - len(self._free) / self.num_blocks if self.num_blocks else 0.0
 
     # ------------------------------------------------------------------ hashing
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 
-from axonserve.protocol.messages import PoolingParams, SamplingParams
+from axonserve.protocol.messages import PoolingParams, SamplingParams, TokenLogprobs
 
 
 class Status(enum.IntEnum):
@@ -41,6 +41,8 @@ class Request:
         "num_cached_blocks",
         "num_cached_tokens",
         "extra_keys",
+        "prompt_logprobs",
+        "prompt_logprobs_sent",
         "t_arrival",
         "t_scheduled",
         "t_first",
@@ -80,6 +82,8 @@ class Request:
         self.block_hashes: list[int] = []  # chained hashes of full blocks of token_ids
         self.num_cached_blocks = 0  # leading blocks published to the prefix cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.prompt_logprobs: list[TokenLogprobs] = []  # prompt_logprobs: entries for tokens 1..
+        self.prompt_logprobs_sent = False
         self.extra_keys: tuple = ()  # e.g. image hashes: part of every block hash
         # monotonic timestamps in the scheduler (for latency metrics)
         self.t_arrival = time.monotonic()

@@ -319,7 +319,8 @@ class Scheduler:
         if req.pooling is not None:
             return self._admit_pooling(req, budget if max_chunk is None else min(budget, max_chunk))
         first_time = req.status == Status.WAITING
-        hit = self.blocks.match_prefix(req)
+        # prompt_logprobs needs logits at every prompt position: nothing may come from the cache
+        hit = 0 if req.params.prompt_logprobs is not None else self.blocks.match_prefix(req)
         req.num_computed_tokens = hit
         n = req.num_tokens - hit
         limit = budget if max_chunk is None else min(budget, max_chunk)
@@ -395,6 +396,13 @@ class Scheduler:
         self._in_flight = []
         if result.new_shapes:
             self.shapes.update(tuple(x) for x in result.new_shapes)
+        for pl in result.prompt_logprobs:
+            req = self.requests.get(pl.request_id)
+            if req is None or req.prompt_logprobs_sent:
+                continue
+            have = len(req.prompt_logprobs) + 1  # index of the next prompt token without one
+            if pl.start <= have:  # a recompute after preemption may repeat some
+                req.prompt_logprobs.extend(pl.logprobs[have - pl.start:])
         deltas = []
         now = time.monotonic()
         lps = result.logprobs
@@ -417,6 +425,8 @@ class Scheduler:
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=req.num_cached_tokens,
             )
+            if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+                delta.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
             if done:
                 delta.finish_reason, delta.stop_reason = req.finish_reason, req.stop_reason
                 self._finish(req)
@@ -474,15 +484,11 @@ class Scheduler:
         ))
         self._order.pop(req.request_id, None)
 
-    def kv_usage(self) -> float:
-        """Fraction of KV blocks in use (0 for an encoder, which has none)."""
-        return self.blocks.usage() if self.cfg.num_kv_blocks else 0.0
-
     def stats(self) -> dict[str, int | float | list]:
         return dict(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            kv_cache_usage=self.kv_usage(),
+            kv_cache_usage=self.blocks.usage(),
             prefix_cache_queries=self.prefix_queries,
             prefix_cache_hits=self.prefix_hits,
             num_preemptions=self.num_preemptions,

@@ -273,7 +273,7 @@ class SchedulerActor(Actor):
         self._last_counters = cur
         self.publish(StepStats(
             num_running=len(s.running), num_waiting=len(s.waiting),
-            kv_cache_usage=s.kv_usage(),
+            kv_cache_usage=s.blocks.usage(),
             num_seqs=len(plan.num_scheduled_tokens), num_tokens=sum(plan.num_scheduled_tokens),
             prompt_tokens=d[0], generation_tokens=d[1], num_preemptions=d[2],
             prefix_cache_queries=d[3], prefix_cache_hits=d[4],

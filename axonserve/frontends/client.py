@@ -80,6 +80,9 @@ class EmbeddingOutput:
     num_prompt_tokens: int
 
 
+MAX_N = 128  # choices per request (OpenAI's bound): n fans out into n engine requests
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """One step of one choice: the new tokens/text plus running totals."""
@@ -97,6 +100,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     error_code: int = 0  # engine's HTTP-style status for an error (400, 503, 500)
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., on the first output only
 
     @property
     def finished(self) -> bool:
@@ -230,14 +234,18 @@ class AsyncEngineClient:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Check params and context length; return engine params (n=1, max_tokens filled)."""
         self.require_task("generate", "Completions API")
-        if params.n < 1:
-            raise ParamError("n", "n must be >= 1")
+        if not 1 <= params.n <= MAX_N:
+            raise ParamError("n", f"n must be in [1, {MAX_N}]")
         one = msgspec.structs.replace(params, n=1).validate()
         num, limit = len(prompt_ids), self.info.max_model_len
         if num == 0:
             raise ParamError("prompt", "the prompt is empty")
         if any(not 0 <= t < self.info.vocab_size for t in prompt_ids):
             raise ParamError("prompt", f"prompt token ids must be in [0, {self.info.vocab_size})")
+        vocab = self.info.vocab_size
+        for name, ids in (("logit_bias", one.logit_bias or {}), ("allowed_token_ids", one.allowed_token_ids or [])):
+            if any(t >= vocab for t in ids):
+                raise ParamError(name, f"{name} token ids must be in [0, {vocab})")
         if num >= limit:
             raise ParamError(
                 "input_tokens",
@@ -404,7 +412,7 @@ class AsyncEngineClient:
                     open_ids.discard(choice.engine_id)
                     if self._routes.pop(choice.engine_id, None) is not None:
                         self._send_nowait(AbortRequest([choice.engine_id]))  # stop string hit
-                if out.text or out.token_ids or out.finished:
+                if out.text or out.token_ids or out.finished or out.prompt_logprobs is not None:
                     yield out
         finally:
             self._requests.pop(request_id, None)
@@ -434,7 +442,7 @@ class AsyncEngineClient:
             num_prompt_tokens=delta.num_prompt_tokens or num_prompt,
             num_output_tokens=choice.detok.num_output_tokens,
             num_cached_tokens=delta.num_cached_tokens, error=delta.error,
-            error_code=delta.error_code,
+            error_code=delta.error_code, prompt_logprobs=delta.prompt_logprobs,
         )
 
     # ------------------------------------------------------------------ socket

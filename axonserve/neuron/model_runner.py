@@ -27,10 +27,17 @@ from axonserve.neuron.ops.attention import AttentionMetadata, build_static
 from axonserve.neuron.parallel import CollectiveError, TPInfo, init_tensor_parallel, tp_broadcast_ids
 from axonserve.neuron.pooling import resolve_task
 from axonserve.neuron.sampler import Sampler
-from axonserve.neuron.structured import StructuredDecoding
 from axonserve.neuron.snapshot import StepSnapshots, contiguous_rows, padded_rows
+from axonserve.neuron.structured import StructuredDecoding
 from axonserve.protocol import tensor_ref
-from axonserve.protocol.messages import PoolingParams, SamplingParams, StepPlan, StepResult
+from axonserve.protocol.messages import (
+    PoolingParams,
+    PromptLogprobs,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
 
 log = structlog.get_logger()
 
@@ -208,13 +215,14 @@ class ModelRunner:
         if self.snapshots is not None:
             self.snapshots.begin(plan.step_id, contiguous_rows(flat), torch.tensor(input_ids), meta.positions)
         hidden = self.model(torch.from_numpy(np.asarray(input_ids, dtype=np.int64)), meta.positions, self.kv_caches, meta)
+        prompt_lps = self._prompt_logprobs([(st, n, last_tok[st.request_id]) for st, n in work], hidden)
         for st, n in work:
             st.num_computed_tokens += n
         samplers = [st for st, _ in work if st.num_computed_tokens == len(st.token_ids)]
         logits = None
         if samplers:
             logits = self.model.compute_logits(hidden[torch.tensor([last_tok[st.request_id] for st in samplers])])
-        return self._sample(plan, samplers, logits)
+        return self._sample(plan, samplers, logits, prompt_logprobs=prompt_lps)
 
     def _execute_pooling(self, plan: StepPlan, work: list[tuple[RequestState, int]]) -> StepResult:
         """Encoder step: each scheduled request is a whole prompt; one forward, one pooled
@@ -232,6 +240,28 @@ class ModelRunner:
         self.result_tensors = [pooled]
         return StepResult(step_id=plan.step_id, pooled_request_ids=[st.request_id for st, _ in work],
                           pooled=tensor_ref(1, pooled))
+
+    def _prompt_logprobs(self, rows: list[tuple[RequestState, int, int]], hidden: torch.Tensor) -> list[PromptLogprobs]:
+        """For prompt_logprobs requests: logprobs of the prompt tokens this chunk predicts.
+
+        A chunk covers positions c..c+n-1 in hidden rows last-n+1..last; row j predicts prompt
+        token c+j+1 (token 0 has no logprob). Before num_computed_tokens moves on."""
+        out = []
+        for st, n, last in rows:
+            k, c = st.params.prompt_logprobs, st.num_computed_tokens
+            m = min(n, st.num_prompt_tokens - 1 - c)  # rows whose target is still a prompt token
+            if k is None or m <= 0:
+                continue
+            lp = torch.log_softmax(self.model.compute_logits(hidden[last - n + 1 : last - n + 1 + m]).float(), dim=-1)
+            target = torch.tensor(st.token_ids[c + 1 : c + 1 + m])
+            chosen = lp.gather(1, target[:, None])
+            ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+            top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+            out.append(PromptLogprobs(st.request_id, c + 1, [
+                TokenLogprobs(logprob=v, rank=r, top_ids=ti, top_logprobs=tl)
+                for v, r, ti, tl in zip(chosen[:, 0].tolist(), ranks, top_ids.tolist(), top_lp.tolist())
+            ]))
+        return out
 
     # ------------------------------------------------------------------ bucketing mode
 
@@ -272,12 +302,13 @@ class ModelRunner:
         rows = np.zeros(shape[1], dtype=np.int64)
         rows[: len(work)] = last
         logits = self.model.compute_logits(hidden[torch.from_numpy(rows)])
+        prompt_lps = self._prompt_logprobs([(st, n, int(last[i])) for i, (st, n) in enumerate(work)], hidden)
         for st, n in work:
             st.num_computed_tokens += n
         pick = [i for i, (st, _) in enumerate(work) if st.num_computed_tokens == len(st.token_ids)]
         samplers = [work[i][0] for i in pick]
         return self._sample(plan, samplers, logits[torch.tensor(pick)] if pick else None,
-                            new_shapes=new_shapes)
+                            new_shapes=new_shapes, prompt_logprobs=prompt_lps)
 
     def _sample(self, plan: StepPlan, samplers: list, logits: torch.Tensor | None,
                 **extra: Any) -> StepResult:

@@ -6,6 +6,7 @@ from torch import nn
 
 from axonserve.neuron.models.bert import BertModel
 from axonserve.neuron.models.llama import LlamaForCausalLM, MistralForCausalLM
+from axonserve.neuron.models.null import NullForCausalLM
 from axonserve.neuron.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
@@ -14,6 +15,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "AxonNullForCausalLM": NullForCausalLM,  # computes nothing: `axonserve bench step`
     "BertModel": BertModel,  # encoder: embed task only (pooling.EMBEDDING_ARCHITECTURES)
 }
 

@@ -1,7 +1,8 @@
 """Batched sampling where every request brings its own parameters.
 
 Order (vLLM semantics): structured-output grammar mask (applied by the runner, see
-neuron/structured.py) -> raw logprobs -> penalties -> min_tokens mask -> greedy argmax, or
+neuron/structured.py) -> raw logprobs -> allowed_token_ids / logit_bias -> penalties ->
+min_tokens mask -> greedy argmax, or
 temperature -> min_p -> top_k/top_p -> sample. Sampling uses the exponential race
 (argmax p / Exp(1)), so a seeded request draws only from its own generator and gets the
 same tokens whatever else shares the batch.
@@ -60,9 +61,12 @@ class Sampler:
             or p.presence_penalty != 0.0
             or p.frequency_penalty != 0.0
             or (len(r.token_ids) - r.num_prompt_tokens) < p.min_tokens
+            or bool(p.logit_bias)
+            or p.allowed_token_ids is not None
         )
 
     def _sample(self, logits: torch.Tensor, reqs: Sequence[SamplingState]) -> torch.Tensor:
+        self._apply_bias(logits, reqs)
         self._apply_penalties(logits, reqs)
         self._apply_min_tokens(logits, reqs)
         ids = logits.argmax(dim=-1)
@@ -71,6 +75,20 @@ class Sampler:
             idx = torch.tensor(rand)
             ids[idx] = self._random(logits[idx], [reqs[i] for i in rand])
         return ids
+
+    @staticmethod
+    def _apply_bias(logits: torch.Tensor, reqs: Sequence[SamplingState]) -> None:
+        """allowed_token_ids masks everything else; logit_bias adds to single logits."""
+        for i, r in enumerate(reqs):
+            p = r.params
+            if p.allowed_token_ids is not None:
+                keep = torch.tensor(p.allowed_token_ids)
+                row = torch.full_like(logits[i], float("-inf"))
+                row[keep] = logits[i, keep]
+                logits[i] = row
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias.keys()))
+                logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: Sequence[SamplingState]) -> None:
         rep = [i for i, r in enumerate(reqs) if r.params.repetition_penalty != 1.0]
@@ -107,7 +125,8 @@ class Sampler:
         if (min_p > 0).any():
             probs = logits.softmax(dim=-1)
             logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
-        top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else logits.shape[1] for r in reqs])
+        vocab = logits.shape[1]
+        top_k = torch.tensor([min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in reqs])
         top_p = torch.tensor([r.params.top_p for r in reqs])
         if (top_k < logits.shape[1]).any() or (top_p < 1.0).any():
             logits = _top_k_top_p(logits, top_k, top_p)

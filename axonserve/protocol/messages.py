@@ -14,8 +14,6 @@ import msgspec
 
 from axonserve.protocol.codec import TensorRef
 
-from axonserve.protocol.codec import TensorRef
-
 
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag_field="k"):
     """Base for wire messages (tag is the first array element)."""
@@ -31,6 +29,9 @@ class StructuredOutputsParams(msgspec.Struct, array_like=True, omit_defaults=Tru
     kind: str
     spec: str
     any_whitespace: bool = False
+
+
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True):
@@ -58,6 +59,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (engine/structured.py)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to +-100)
+    allowed_token_ids: list[int] | None = None  # vLLM: only these may be sampled
+    prompt_logprobs: int | None = None  # vLLM: logprobs (+ top-N) of every prompt token after the first
 
     def validate(self) -> "SamplingParams":
         """Raise ValueError with the offending parameter named; return self."""
@@ -80,7 +84,28 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
             (all(s for s in self.stop), "stop", "stop strings must be non-empty"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0"),
+            (
+                all(-100.0 <= v <= 100.0 for v in (self.logit_bias or {}).values()),
+                "logit_bias",
+                "values must be in [-100, 100]",
+            ),
+            (all(t >= 0 for t in (self.logit_bias or {})), "logit_bias", "token ids must be >= 0"),
+            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids",
+             "must not be empty"),
+            (all(t >= 0 for t in self.allowed_token_ids or []), "allowed_token_ids", "must be >= 0"),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                "prompt_logprobs",
+                "must be in [0, 20]",
+            ),
         ]
+        for param in ("seed", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+            v = getattr(self, param)
+            if v is not None and not _I64_MIN <= v <= _I64_MAX:
+                raise ParamError(param, f"{param} must fit a signed 64-bit integer")
+        for param in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            if any(t > _I64_MAX for t in getattr(self, param) or ()):
+                raise ParamError(param, f"{param} token ids must fit a signed 64-bit integer")
         for ok, param, why in checks:
             if not ok:
                 raise ParamError(param, f"{param} {why}")
@@ -156,6 +181,9 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     num_cached_tokens: int = 0
     error_code: int = 0  # HTTP-style status for errors: 400 bad request, 503 overloaded, 500
     embedding: TensorRef | None = None  # pooling requests: the vector, an extra frame of `Outputs`
+    # prompt_logprobs requests: entries for prompt tokens 1.. (token 0 has none), sent once,
+    # with the first new token
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class Outputs(_Msg, tag=10):
@@ -235,6 +263,14 @@ class StepPlan(_Msg, tag=20):
     finished_request_ids: list[str] = []  # finished, aborted or preempted: drop state
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Logprobs of prompt tokens `start`, `start`+1, ... of one request, computed this step."""
+
+    request_id: str
+    start: int
+    logprobs: list[TokenLogprobs]
+
+
 class StepResult(_Msg, tag=21):
     """Rank 0's answer: one sampled token per request that reached its end this step."""
 
@@ -247,6 +283,7 @@ class StepResult(_Msg, tag=21):
     error: str | None = None
     # bucketing mode: (phase, batch, query_len, kv_len) shapes this worker ran for the first time
     new_shapes: list[tuple[str, int, int, int]] = []
+    prompt_logprobs: list[PromptLogprobs] = []
     # pooling requests finished this step and their vectors: a [len, dim] float32 extra frame
     pooled_request_ids: list[str] = []
     pooled: TensorRef | None = None

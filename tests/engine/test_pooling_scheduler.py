@@ -39,7 +39,7 @@ def test_pooling_requests_run_whole_in_one_step_without_blocks():
     deltas = s.update(pooled(plan))
     assert [(d.request_id, d.finish_reason, d.num_prompt_tokens, d.new_token_ids) for d in deltas] == [
         ("a", "stop", 10, []), ("b", "stop", 16, [])]
-    assert set(s.requests) == {"c", "d"} and s.running == [] and s.kv_usage() == 0.0
+    assert set(s.requests) == {"c", "d"} and s.running == [] and s.blocks.usage() == 0.0
     plan = s.schedule()
     assert [nr.request_id for nr in plan.new] == ["c", "d"]
     assert sorted(plan.finished_request_ids) == ["a", "b"]  # worker state already gone: harmless

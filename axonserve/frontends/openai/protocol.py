@@ -2,7 +2,8 @@
 
 Requests are validated by pydantic for shape; value ranges are checked once, by
 `SamplingParams.validate()`, so the rules and the error messages live in one place.
-Unknown request fields are ignored, like OpenAI's own server and vLLM do.
+An unknown request field is a 400 that names it (silently ignoring a parameter the caller
+relies on is worse than refusing it), except OpenAI fields that do not change the output.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from axonserve.frontends.openai.structured_outputs import ResponseFormat, StructuredOutputsRequest
@@ -23,7 +25,22 @@ def random_id(prefix: str) -> str:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+# OpenAI request fields that do not change what is generated: accepted and ignored.
+_HARMLESS = frozenset({"store", "metadata", "service_tier", "user", "parallel_tool_calls"})
+
+
+class _Strict(_Request):
+    """A request body whose unknown fields are refused (see `unknown_fields`)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    def check_fields(self) -> None:
+        unknown = sorted(set(self.model_extra or {}) - _HARMLESS)
+        if unknown:
+            raise ParamError(unknown[0], f"unsupported parameter(s): {', '.join(unknown)}")
 
 
 class StreamOptions(_Request):
@@ -31,7 +48,7 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
-class _Sampling(_Request):
+class _Sampling(_Strict):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -56,6 +73,9 @@ class _Sampling(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     request_id: str | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     # structured outputs (structured_outputs.py): OpenAI's response_format, vLLM's extras
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -64,12 +84,22 @@ class _Sampling(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    def truncate(self, ids: list[int]) -> list[int]:
+        """vLLM's truncate_prompt_tokens: keep only the last k prompt tokens."""
+        k = self.truncate_prompt_tokens
+        return ids[-k:] if k is not None and len(ids) > k else ids
+
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.logit_bias:
-            raise ParamError("logit_bias", "logit_bias is not supported")
+        self.check_fields()
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed when stream is true")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        bias = None
+        if self.logit_bias:
+            try:
+                bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise ParamError("logit_bias", "logit_bias keys must be token ids (integers as strings)") from None
         params = SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -88,11 +118,10 @@ class _Sampling(_Request):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=bias,
+            allowed_token_ids=self.allowed_token_ids,
+            prompt_logprobs=self.prompt_logprobs,
         )
-        if params.n < 1:
-            raise ParamError("n", "n must be >= 1")
-        if params.max_tokens is not None and params.max_tokens < 1:
-            raise ParamError("max_tokens", "max_tokens must be >= 1")
         return params
 
     @property
@@ -110,9 +139,11 @@ class CompletionRequest(_Sampling):
     def sampling_params(self) -> SamplingParams:
         if self.suffix:
             raise ParamError("suffix", "suffix is not supported")
-        if self.echo:
-            raise ParamError("echo", "echo is not supported")
-        return self._params(self.max_tokens, self.logprobs)
+        params = self._params(self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:  # echoed prompt tokens carry logprobs too
+            k = max(self.logprobs, params.prompt_logprobs or 0)
+            params = msgspec.structs.replace(params, prompt_logprobs=k)
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -169,12 +200,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry: {token_id: {logprob, rank, decoded_token}}."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobList = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobList | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -221,6 +264,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobList | None = None  # vLLM extension
 
 
 class DeltaMessage(BaseModel):
@@ -266,6 +310,35 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a completion `prompt` or chat `messages` (exactly one)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorInfo(BaseModel):

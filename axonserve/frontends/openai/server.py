@@ -20,6 +20,7 @@ import jinja2
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -27,6 +28,7 @@ from axonserve import __version__
 from axonserve.config import EngineConfig
 from axonserve.frontends.client import AsyncEngineClient, EngineDeadError, ProfileError, RequestOutput
 from axonserve.frontends.openai.embeddings import EmbeddingRequest, create_embeddings
+from axonserve.frontends.openai.middleware import ApiKeyAuth, BodyLimit, api_key_from_env
 from axonserve.frontends.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -45,6 +47,12 @@ from axonserve.frontends.openai.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    PromptLogprob,
+    PromptLogprobList,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
     TopLogprob,
     UsageInfo,
     random_id,
@@ -151,11 +159,20 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
-              metrics: Callable[[], Awaitable[str]] | None = None) -> FastAPI:
+              metrics: Callable[[], Awaitable[str]] | None = None, api_key: str | None = None) -> FastAPI:
     """The FastAPI app. `app.state.unhealthy` (a reason string) turns /health to 503.
-    `metrics` returns the Prometheus text exposition (the metrics actor's) for `/metrics`."""
+    `metrics` returns the Prometheus text exposition (the metrics actor's) for `/metrics`.
+    `api_key` (default: from the environment) guards `/v1/*`."""
     app = FastAPI(title="axonserve", version=__version__, docs_url=None, redoc_url=None)
+    # added last = outermost: access log, then CORS (so 401/413 carry CORS headers), auth, body limit
     cfg = config or EngineConfig(model="")
+    app.add_middleware(BodyLimit, max_bytes=cfg.max_request_body_bytes)
+    key = api_key if api_key is not None else api_key_from_env()
+    if key:
+        app.add_middleware(ApiKeyAuth, api_key=key)
+    if cfg.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=cfg.allowed_origins, allow_methods=cfg.allowed_methods,
+                           allow_headers=cfg.allowed_headers, allow_credentials=cfg.allow_credentials)
     app.add_middleware(AccessLog)
     app.state.unhealthy = None
     model_name = client.info.served_model_name or (config and config.served_model_name) or client.info.model
@@ -231,11 +248,12 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
         check_model(body.model)
         client.require_task("generate", "Completions API")
         params = with_structured_outputs(body.sampling_params(), body, client.tokenizer)
-        prompts = [await tokenize(p) for p in body.prompts()]
+        prompts = [body.truncate(await tokenize(p)) for p in body.prompts()]
         rid = body.request_id or random_id("cmpl")
         _note_access(request_id=rid)
         streams = start(prompts, params, rid)
-        fmt = _CompletionFormat(client, rid, model_name, params)
+        echo = [client.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts] if body.echo else None
+        fmt = _CompletionFormat(client, rid, model_name, params, prompts, echo=echo)
         if body.stream:
             return await _stream_response(fmt, streams, params.n, body.include_usage)
         return await _cancel_on_disconnect(raw, fmt.full(streams, params.n))
@@ -249,17 +267,17 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
         params = with_structured_outputs(body.sampling_params(), body, client.tokenizer,
                                          tools.structured if tools else None)
         messages = template_messages([m.model_dump(exclude_none=True) for m in body.messages])
-        ids = client.tokenizer.encode_chat(
+        ids = body.truncate(client.tokenizer.encode_chat(
             messages,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             **(tools.template_kwargs() if tools else {}),
             **(body.chat_template_kwargs or {}),
-        )
+        ))
         rid = body.request_id or random_id("chatcmpl")
         _note_access(request_id=rid)
         streams = start([ids], params, rid)
-        fmt = _ChatFormat(client, rid, model_name, params, tools=tools.formatter() if tools else None)
+        fmt = _ChatFormat(client, rid, model_name, params, [ids], tools=tools.formatter() if tools else None)
         if body.stream:
             return await _stream_response(fmt, streams, params.n, body.include_usage)
         return await _cancel_on_disconnect(raw, fmt.full(streams, params.n))
@@ -272,6 +290,31 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
         rid = body.request_id or random_id("embd")
         _note_access(request_id=rid)
         return await _cancel_on_disconnect(raw, create_embeddings(client, body, model_name, rid))
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
+        body.check_fields()
+        check_model(body.model)
+        tok = client.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise ParamError("prompt", "give exactly one of `prompt` and `messages`")
+        if body.messages is not None:
+            ids = tok.encode_chat([m.model_dump(exclude_none=True) for m in body.messages],
+                                  add_generation_prompt=body.add_generation_prompt,
+                                  continue_final_message=body.continue_final_message,
+                                  **(body.chat_template_kwargs or {}))
+        else:
+            ids = list(tok.hf.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        return TokenizeResponse(count=len(ids), max_model_len=client.info.max_model_len, tokens=ids,
+                                token_strs=tok.hf.convert_ids_to_tokens(ids) if body.return_token_strs else None)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
+        body.check_fields()
+        check_model(body.model)
+        if any(not 0 <= t < client.info.vocab_size for t in body.tokens):
+            raise ParamError("tokens", f"token ids must be in [0, {client.info.vocab_size})")
+        return DetokenizeResponse(prompt=client.tokenizer.decode(body.tokens, skip_special_tokens=False))
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -329,11 +372,29 @@ async def _prepend(first: RequestOutput | None, rest: AsyncGenerator[RequestOutp
 
 
 class _Format:
-    """Turns RequestOutputs into one API's JSON: whole responses and stream chunks."""
+    """Turns RequestOutputs into one API's JSON: whole responses and stream chunks.
 
-    def __init__(self, client: AsyncEngineClient, rid: str, model: str, params: SamplingParams):
+    Choice `index` is prompt j's choice i at j * n + i; `prompts` holds each prompt's ids."""
+
+    def __init__(self, client: AsyncEngineClient, rid: str, model: str, params: SamplingParams,
+                 prompts: list[list[int]]):
         self.client, self.rid, self.model, self.params = client, rid, model, params
+        self.prompts, self.n = prompts, params.n
         self.created = int(time.time())
+
+    def prompt_logprob_list(self, index: int, out: RequestOutput) -> PromptLogprobList | None:
+        """vLLM's `prompt_logprobs`: None for the first prompt token, then {id: logprob} with
+        the prompt token and the top alternatives."""
+        if out.prompt_logprobs is None or self.params.prompt_logprobs is None:
+            return None
+        text = self.client.tokenizer.token_text
+        rows: PromptLogprobList = [None]
+        for tid, lp in zip(self.prompts[index // self.n][1:], out.prompt_logprobs):
+            entry = {tid: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=text(tid))}
+            for rank, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs), 1):
+                entry.setdefault(t, PromptLogprob(logprob=v, rank=rank, decoded_token=text(t)))
+            rows.append(entry)
+        return rows
 
     def first_chunks(self, num_choices: int) -> list[str]:
         return []
@@ -372,9 +433,33 @@ class _Format:
 
 
 class _CompletionFormat(_Format):
-    def __init__(self, *args: Any):
+    def __init__(self, *args: Any, echo: list[str] | None = None):
+        """echo: each prompt's text, put before its choices' text (with logprobs if asked)."""
         super().__init__(*args)
+        self.echo = echo
+        self._echoed: set[int] = set()
         self._offsets: dict[int, int] = {}
+
+    def _echo_prefix(self, index: int, out: RequestOutput) -> tuple[str, CompletionLogprobs | None]:
+        """The prompt, once per choice, when echo is on; its token logprobs when logprobs is set
+        (the first prompt token has none, like OpenAI's)."""
+        if self.echo is None or index in self._echoed:
+            return "", None
+        self._echoed.add(index)
+        text, k = self.echo[index // self.n], self.params.logprobs
+        if k is None:
+            return text, None
+        tt, lp, offset = self.client.tokenizer.token_text, CompletionLogprobs(), 0
+        for tid, p in zip(self.prompts[index // self.n], [None, *(out.prompt_logprobs or [])]):
+            tok = tt(tid)
+            lp.tokens.append(tok)
+            lp.text_offset.append(offset)
+            offset += len(tok)
+            lp.token_logprobs.append(None if p is None else p.logprob)
+            lp.top_logprobs.append(None if p is None else {
+                tok: p.logprob, **{tt(t): v for t, v in zip(p.top_ids[:k], p.top_logprobs[:k])}})
+        self._offsets[index] = offset
+        return text, lp
 
     def logprobs(self, index: int, out: RequestOutput) -> CompletionLogprobs | None:
         if self.params.logprobs is None:
@@ -391,10 +476,14 @@ class _CompletionFormat(_Format):
         return lp
 
     def chunk(self, index: int, out: RequestOutput) -> str | None:
-        if not (out.text or out.finished or self.params.logprobs is not None):
+        prefix, echo_lp = self._echo_prefix(index, out)
+        text = prefix + out.text
+        if not (text or out.finished or self.params.logprobs is not None or out.prompt_logprobs):
             return None
-        choice = CompletionChoice(index=index, text=out.text, logprobs=self.logprobs(index, out),
-                                  finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+        choice = CompletionChoice(index=index, text=text,
+                                  logprobs=_concat_logprobs(echo_lp, self.logprobs(index, out)),
+                                  finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                                  prompt_logprobs=self.prompt_logprob_list(index, out))
         return CompletionResponse(id=self.rid, created=self.created, model=self.model,
                                   choices=[choice]).model_dump_json()
 
@@ -405,21 +494,23 @@ class _CompletionFormat(_Format):
     def response(self, outs: dict[int, list[RequestOutput]], usage: UsageInfo) -> CompletionResponse:
         choices = []
         for index, steps in outs.items():
-            lps = [self.logprobs(index, o) for o in steps]
-            merged = None
-            if self.params.logprobs is not None:
-                merged = CompletionLogprobs()
-                for lp in lps:
-                    assert lp is not None
-                    merged.tokens += lp.tokens
-                    merged.token_logprobs += lp.token_logprobs
-                    merged.top_logprobs += lp.top_logprobs
-                    merged.text_offset += lp.text_offset
+            prefix, merged = self._echo_prefix(index, steps[0])
+            for o in steps:
+                merged = _concat_logprobs(merged, self.logprobs(index, o))
             last = steps[-1]
-            choices.append(CompletionChoice(index=index, text=last.output_text, logprobs=merged,
-                                            finish_reason=last.finish_reason, stop_reason=last.stop_reason))
+            choices.append(CompletionChoice(
+                index=index, text=prefix + last.output_text, logprobs=merged,
+                finish_reason=last.finish_reason, stop_reason=last.stop_reason,
+                prompt_logprobs=self.prompt_logprob_list(index, steps[0])))
         return CompletionResponse(id=self.rid, created=self.created, model=self.model,
                                   choices=choices, usage=usage)
+
+
+def _concat_logprobs(a: CompletionLogprobs | None, b: CompletionLogprobs | None) -> CompletionLogprobs | None:
+    if a is None or b is None:
+        return a or b
+    return CompletionLogprobs(tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
+                              top_logprobs=a.top_logprobs + b.top_logprobs, text_offset=a.text_offset + b.text_offset)
 
 
 class _ChatFormat(_Format):
@@ -472,8 +563,10 @@ class _ChatFormat(_Format):
                 content, calls, finish = self.tools.message(last.output_text, last.finish_reason)
             choices.append(ChatChoice(index=index, message=ChatResponseMessage(content=content, tool_calls=calls),
                                       logprobs=logprobs, finish_reason=finish, stop_reason=last.stop_reason))
-        return ChatCompletionResponse(id=self.rid, created=self.created, model=self.model,
-                                      choices=choices, usage=usage)
+        first = next(iter(outs.items()), None)
+        return ChatCompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices,
+                                      usage=usage,
+                                      prompt_logprobs=self.prompt_logprob_list(first[0], first[1][0]) if first else None)
 
 
 class _Usage:

@@ -1,0 +1,94 @@
+"""Pure ASGI middleware for the HTTP edge: API-key auth and a request body size limit.
+
+Pure ASGI (not Starlette's BaseHTTPMiddleware) so `http.disconnect` still reaches the
+handlers, which is how a client that goes away gets its engine request aborted.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+from typing import Any, Awaitable, Callable
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+API_KEY_ENV = ("AXONSERVE_API_KEY", "VLLM_API_KEY")
+
+
+def api_key_from_env() -> str | None:
+    """The key set by `--api-key` (the CLI exports it, so it never sits on a command line)."""
+    for name in API_KEY_ENV:
+        if os.environ.get(name):
+            return os.environ[name]
+    return None
+
+
+async def send_error(send: Send, status: int, message: str, type_: str, headers: list | None = None) -> None:
+    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": status}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()), *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class ApiKeyAuth:
+    """Every `/v1/*` route needs `Authorization: Bearer <key>`; `/health`, `/version`,
+    `/metrics` and the rest stay open, as in vLLM. CORS preflights (OPTIONS) pass."""
+
+    def __init__(self, app: Any, api_key: str):
+        self.app = app
+        self._key = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._key):
+                await send_error(send, 401, "Unauthorized: missing or invalid API key", "AuthenticationError",
+                                 [(b"www-authenticate", b"Bearer")])
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """Refuse request bodies over `max_bytes` with 413 before any handler parses them.
+
+    A declared Content-Length is checked up front; a chunked body is buffered up to the
+    limit and then replayed, after which `receive` is the client's again (disconnects)."""
+
+    def __init__(self, app: Any, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(send)
+            return
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":  # client left before sending the whole body
+                return
+            chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._too_large(send)
+                return
+            if not msg.get("more_body", False):
+                break
+        replay: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay_receive() -> Message:
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replay_receive, send)
+
+    async def _too_large(self, send: Send) -> None:
+        await send_error(send, 413, f"request body is larger than the limit of {self.max_bytes} bytes",
+                         "RequestTooLargeError")
