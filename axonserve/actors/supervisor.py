@@ -61,14 +61,19 @@ def free_port() -> int:
 
 
 class Supervisor:
-    def __init__(self, config: EngineConfig, *, frontend: bool = True):
+    def __init__(self, config: EngineConfig, *, frontend: bool = True, workers_only: bool = False):
+        """workers_only: start just the worker ranks (no scheduler, metrics actor or frontend);
+        a foreign driver, e.g. vLLM's executor, binds their plan and result sockets."""
         self.config = config
-        self.with_frontend = frontend
+        self.with_frontend = frontend and not workers_only
+        self.workers_only = workers_only
         self.run_dir = tempfile.mkdtemp(prefix="axonserve-")
         dist_port = 0
         while config.num_workers > 1 and dist_port in (0, config.port):  # not the HTTP port
             dist_port = free_port()
         self.addresses = Addresses.in_dir(self.run_dir, dist_port)
+        if workers_only:  # nobody binds these: stats and snapshots stay off
+            self.addresses.stats = self.addresses.metrics = self.addresses.snapshot = ""
         self.children: dict[str, _Child] = {}
         self.failure: tuple[str, str] | None = None
         self._failed = asyncio.Event()
@@ -91,10 +96,11 @@ class Supervisor:
                       addresses=self.addresses, rank=r)
             for r in range(self.config.num_workers)
         ]
-        specs.append(ActorSpec(kind="scheduler", name="scheduler", config=self.config,
-                               addresses=self.addresses))
-        specs.append(ActorSpec(kind="metrics", name="metrics", config=self.config,
-                               addresses=self.addresses))
+        if not self.workers_only:
+            specs.append(ActorSpec(kind="scheduler", name="scheduler", config=self.config,
+                                   addresses=self.addresses))
+            specs.append(ActorSpec(kind="metrics", name="metrics", config=self.config,
+                                   addresses=self.addresses))
         if self.config.snapshot:  # tensor snapshots: the sink that writes them to disk
             specs.append(ActorSpec(kind="snapshot", name="snapshot", config=self.config,
                                    addresses=self.addresses))
@@ -169,8 +175,9 @@ class Supervisor:
 
     async def _on_ready(self) -> None:
         workers = [c for c in self.children.values() if c.spec.kind == "worker"]
-        sched = self.children["scheduler"]
-        if all(w.ready for w in workers) and not sched.ready and not getattr(self, "_configured", False):
+        sched = self.children.get("scheduler")
+        if (sched is not None and all(w.ready for w in workers) and not sched.ready
+                and not getattr(self, "_configured", False)):
             self._configured = True
             w0 = workers[0].info
             info = {

@@ -23,10 +23,10 @@ from axonserve.bench.serve import (LevelOptions, Workload, add_workload_args, di
                                    metadata, parse_concurrency, print_summary, run_levels,
                                    write_outputs)
 from axonserve.bench.servers import (REPO, ServerSpec, axonserve_spec, launch, llama_server_spec,
-                                     llamacpp_spec, stop_group, vllm_spec)
+                                     llamacpp_spec, stop_group, vllm_axonserve_spec, vllm_spec)
 from axonserve.bench.sysload import LoadMonitor
 
-ENGINES = ("axonserve", "vllm", "llamacpp", "llama-server", "transformers")
+ENGINES = ("axonserve", "vllm", "vllm+axonserve", "llamacpp", "llama-server", "transformers")
 SERVED_NAME = "bench-model"
 
 
@@ -50,6 +50,13 @@ def build_specs(a: argparse.Namespace, model_dir: str, gguf: str | None, max_con
             specs.append(vllm_spec(venv, model_dir, SERVED_NAME, cores, shlex.split(a.vllm_args)))
         else:
             skipped.append(f"vllm: no vllm in venv {venv!r} (axonserve bench setup-peers --vllm)")
+    if "vllm+axonserve" in want:  # vLLM's server on our ranks: the rank dependencies must be there too
+        venv = _peer_venv(a.vllm_venv, "vllm")
+        if has_module(venv, "vllm") and has_module(venv, "structlog"):
+            specs.append(vllm_axonserve_spec(venv, model_dir, SERVED_NAME, cores, shlex.split(a.vllm_args)))
+        else:
+            skipped.append(f"vllm+axonserve: venv {venv!r} lacks vllm or axonserve's rank dependencies "
+                           "(scripts/setup-vllm)")
     for name in ("llamacpp", "llama-server"):
         if name not in want:
             continue

@@ -127,6 +127,18 @@ def vllm_spec(venv: str, model_dir: str, served_name: str, cores: int, args: lis
                       note="bf16")
 
 
+def vllm_axonserve_spec(venv: str, model_dir: str, served_name: str, cores: int, args: list[str]) -> ServerSpec:
+    """vLLM's server on axonserve's worker ranks (axonserve/frontends/vllm_plugin): the vLLM-CPU
+    peer's command with AxonExecutor as the executor, this checkout first on the path."""
+    spec = vllm_spec(venv, model_dir, served_name, cores,
+                     ["--distributed-executor-backend", "axonserve.frontends.vllm_plugin.executor.AxonExecutor",
+                      *args])
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
+    spec.env = {**spec.env, "PYTHONPATH": path}
+    spec.name, spec.note = "vllm+axonserve", "bf16, axonserve ranks"
+    return spec
+
+
 def llamacpp_spec(venv: str, gguf: str, served_name: str, cores: int, args: list[str]) -> ServerSpec:
     """llama-cpp-python's server; it serialises requests. `--interrupt_requests False` keeps a
     queued request from cutting off the running stream. It has no ignore_eos: every
