@@ -48,6 +48,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # supervision
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 30.0
+    step_timeout_s: float = 300.0  # a step result later than this: the workers are stuck
     dist_timeout_s: float = 15.0  # a rank waiting this long in one collective fails: a peer rank died or hung
     ready_timeout_s: float = 600.0
     failure_grace_s: float = 3.0  # after a death: time to flush errors before everything stops

@@ -101,3 +101,21 @@ def test_sigkill_of_launcher_takes_children_down(tiny_llama_dir):
         srv.proc.kill()
         srv.proc.wait(10)
         wait_until(lambda: not session_pids(sid), 15, "orphaned actors to exit")
+
+
+@pytest.mark.timeout(240)
+def test_step_longer_than_heartbeat_timeout_is_not_a_hang(smollm2_dir):
+    """A worker's heartbeats come from their own thread: a prefill that blocks its event loop
+    for several heartbeat timeouts is work, not a hang (the step timeout bounds it instead)."""
+    from axonserve.config import EngineConfig
+    from axonserve.frontends.offline import LLM
+    from axonserve.protocol.messages import SamplingParams
+
+    config = EngineConfig(model=smollm2_dir, num_kv_blocks=160, max_num_batched_tokens=2048,
+                          heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0)
+    with LLM(config=config) as llm:
+        prompt = list(range(1000, 3000))  # one 2000-token prefill step: seconds on 2 cores
+        t0 = time.monotonic()
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))[0]
+        assert out.outputs[0].finish_reason == "length"
+        assert time.monotonic() - t0 > config.heartbeat_timeout_s, "the step must outlast the heartbeat timeout"

@@ -10,6 +10,7 @@ start-up (e.g. the KV block count the workers measured) to `self.configured`.
 from __future__ import annotations
 
 import asyncio
+import threading
 import os
 import time
 from typing import Any, ClassVar
@@ -31,10 +32,20 @@ from axonserve.protocol.messages import (
 )
 
 _control_codec = Codec(Control)
+HEARTBEAT_SUFFIX = "#hb"  # identity suffix of an actor's heartbeat-thread socket
+
+
+def supervisor_name(identity: bytes) -> str:
+    """The actor a control-socket identity belongs to (its heartbeat thread included)."""
+    return identity.decode(errors="replace").removesuffix(HEARTBEAT_SUFFIX)
 
 
 class Actor:
     kind: ClassVar[str] = ""
+    # Heartbeats from a thread of their own: for actors whose loop runs long blocking work (a
+    # worker's forward pass), so a long step is not taken for a hang. A stopped process still
+    # stops beating; a stuck step is caught by the scheduler's step timeout instead.
+    beat_in_thread: ClassVar[bool] = False
 
     def __init__(self, spec: ActorSpec):
         self.spec = spec
@@ -128,8 +139,14 @@ class Actor:
             await self.send_control(Ready(self.name, info))
             self.log.info("ready", **{k: v for k, v in info.items() if not isinstance(v, list)})
             hb = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+            beats = threading.Event()
+            if self.beat_in_thread:
+                threading.Thread(target=self._beat_in_thread, args=(beats,), name="heartbeat", daemon=True).start()
             run = asyncio.create_task(self.run(), name="run")
-            await _first(run, self.stopping)
+            try:
+                await _first(run, self.stopping)
+            finally:
+                beats.set()
             if run.done() and run.exception() is not None:
                 raise run.exception()  # type: ignore[misc]
             run.cancel()
@@ -180,9 +197,27 @@ class Actor:
     async def _heartbeat_loop(self) -> None:
         pid = os.getpid()
         while True:
-            await self.send_control(Heartbeat(self.name, time.time()))
+            if not self.beat_in_thread:
+                await self.send_control(Heartbeat(self.name, time.time()))
             self.publish(ActorAlive(self.name, pid, self.stats_dropped))
             await asyncio.sleep(self.config.heartbeat_interval_s)
+
+    def _beat_in_thread(self, stop: threading.Event) -> None:
+        """Heartbeats on a socket of this thread (zmq sockets are single-threaded)."""
+        sock = zmq.Context.shadow(self.ctx.underlying).socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, (self.name + HEARTBEAT_SUFFIX).encode())
+        sock.connect(self.addresses.control)
+        try:
+            while True:
+                try:
+                    sock.send_multipart(Codec.encode(Heartbeat(self.name, time.time())), flags=zmq.NOBLOCK)
+                except zmq.Again:  # the supervisor is not reading: nothing to tell it
+                    pass
+                if stop.wait(self.config.heartbeat_interval_s):
+                    return
+        finally:
+            sock.close()
 
 
 async def _first(task: asyncio.Task, event: asyncio.Event) -> None:

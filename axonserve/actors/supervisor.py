@@ -26,6 +26,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from axonserve.actors.runtime import supervisor_name
 from axonserve.config import ActorSpec, Addresses, EngineConfig
 from axonserve.protocol import Codec, Control, DecodeError
 from axonserve.protocol.messages import (
@@ -154,7 +155,7 @@ class Supervisor:
     async def _control_loop(self) -> None:
         while True:
             frames = await self.control.recv_multipart()
-            name = frames[0].decode(errors="replace")
+            name = supervisor_name(frames[0])
             try:
                 msg, _ = _codec.decode(frames[1:])
             except DecodeError as e:

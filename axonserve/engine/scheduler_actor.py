@@ -310,7 +310,7 @@ class SchedulerActor(Actor):
         return reply
 
     async def _await_result(self, plan: StepPlan) -> StepResult | None:
-        result = await self._await_reply(f"step {plan.step_id}", self.config.heartbeat_timeout_s)
+        result = await self._await_reply(f"step {plan.step_id}", self.config.step_timeout_s)
         if result is None:
             return None
         if not isinstance(result, StepResult) or result.step_id != plan.step_id:

@@ -27,6 +27,7 @@ _plan_codec = Codec(StepPlan | ProfileCommand)
 
 class WorkerActor(Actor):
     kind = "worker"
+    beat_in_thread = True  # the forward pass blocks the loop; a long prefill is not a hang
 
     async def setup(self) -> dict:
         self.rank = self.spec.rank
