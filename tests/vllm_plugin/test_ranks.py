@@ -76,7 +76,7 @@ from axonserve.config import EngineConfig
 from axonserve.frontends.vllm_plugin.ranks import RankGroup
 g = RankGroup(EngineConfig(model=sys.argv[1], num_kv_blocks=8, max_model_len=128, ready_timeout_s=120.0))
 g.start()
-print("PIDS", *[g.host_pid, *g.rank_pids], flush=True)
+print("PIDS", g.run_dir, *[g.host_pid, *g.rank_pids], flush=True)
 time.sleep(600)
 """
 
@@ -87,11 +87,14 @@ def test_killed_executor_process_takes_its_ranks_along(vllm_model):
     proc = subprocess.Popen([sys.executable, "-c", _EXECUTOR, vllm_model], stdout=subprocess.PIPE, text=True,
                             start_new_session=True)
     pids: list[int] = []
+    run_dir = ""
     try:
         line = next((ln for ln in proc.stdout if ln.startswith("PIDS ")), "")  # type: ignore[union-attr]
-        pids = [int(p) for p in line.split()[1:]]
-        assert len(pids) == 2 and all(alive(p) for p in pids), line
+        run_dir, *rest = line.split()[1:]
+        pids = [int(p) for p in rest]
+        assert len(pids) == 2 and all(alive(p) for p in pids) and os.path.isdir(run_dir), line
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
     assert not wait_gone(pids), f"orphaned after the executor process was killed: {pids}"
+    assert not os.path.exists(run_dir), "the host removes the socket directory the executor left"

@@ -189,4 +189,5 @@ def test_sigterm_shuts_the_ranks_down_cleanly(server):
     assert not wait_gone(pids), f"ranks outlived the vLLM server: {pids}"
     log = server.log()
     assert log.count("shutdown_requested") >= TP, log[-4000:]
-    assert os.path.exists(server.log_path)
+    run_dir = re.search(r"ranks_ready.*?run_dir=(\S+)", log).group(1)
+    assert not os.path.exists(run_dir), "the executor's socket directory outlived it"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import sys
 
@@ -60,6 +61,7 @@ async def host(config: EngineConfig, status_address: str, lifeline_fd: int) -> i
         await sup.start()
     except StartupError as e:
         if gone.is_set():  # the executor went away during start-up: nothing to report
+            _remove_run_dir(status_address)
             return 0
         await report(ActorFailed(NAME, f"axonserve ranks failed to start: {e}"))
         return 1
@@ -72,7 +74,14 @@ async def host(config: EngineConfig, status_address: str, lifeline_fd: int) -> i
     watch.cancel()
     status.close()
     ctx.term()
+    if gone.is_set():
+        _remove_run_dir(status_address)
     return code
+
+
+def _remove_run_dir(status_address: str) -> None:
+    """The executor's socket directory: an executor that was SIGKILLed cannot remove it."""
+    shutil.rmtree(os.path.dirname(status_address.removeprefix("ipc://")), ignore_errors=True)
 
 
 async def _report_failure(sup: Supervisor, report) -> None:

@@ -102,7 +102,8 @@ class RankGroup:
         self._monitor = threading.Thread(target=self._watch, name="axonserve-ranks-monitor", daemon=True)
         self._monitor.start()
         log.info("vllm_plugin.ranks_ready", ranks=self.config.num_workers, seconds=round(time.monotonic() - t0, 2),
-                 num_kv_blocks=info.get("num_kv_blocks"), host_pid=self.host_pid, rank_pids=self.rank_pids)
+                 num_kv_blocks=info.get("num_kv_blocks"), host_pid=self.host_pid, rank_pids=self.rank_pids,
+                 run_dir=self.run_dir)
         return info
 
     def stop(self, reason: str = "vllm executor shutdown") -> None:
