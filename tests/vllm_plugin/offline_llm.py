@@ -25,7 +25,8 @@ def main() -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     llm = LLM(model, distributed_executor_backend=EXECUTOR, dtype="float32", max_model_len=spec["max_model_len"],
-              seed=0, enforce_eager=True, kv_cache_memory_bytes=spec["kv_cache_memory_bytes"])
+              seed=0, enforce_eager=True, kv_cache_memory_bytes=spec["kv_cache_memory_bytes"],
+              profiler_config={"profiler": "torch", "torch_profiler_dir": spec["profile_dir"]})
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     n = spec["max_tokens"]
     greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3),
@@ -34,6 +35,9 @@ def main() -> None:
     seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=7, max_tokens=8, ignore_eos=True,
                             repetition_penalty=1.2)
     sampled = [llm.generate(prompts[:1], seeded, use_tqdm=False)[0].outputs[0].token_ids for _ in range(2)]
+    llm.start_profile()  # vLLM's profiler calls -> torch.profiler on every axonserve rank
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    llm.stop_profile()
     out = {
         "greedy": [list(o.outputs[0].token_ids) for o in greedy],
         "logprobs": [[_lp(d) for d in o.outputs[0].logprobs] for o in greedy],

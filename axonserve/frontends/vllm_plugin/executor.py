@@ -12,6 +12,7 @@ NotImplementedError naming it, so a vLLM that starts calling something new fails
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -172,8 +173,6 @@ class AxonExecutor(Executor):
             raise RuntimeError("profiling is disabled: configure vLLM's torch profiler directory")
         if self.ranks is None:
             raise RuntimeError("profile before axonserve's ranks started")
-        import time
-
         self._profile_seq += 1
         action = "start" if is_start else "stop"
         self.ranks.send(ProfileCommand(action, self._profile_seq, stamp=time.time_ns()))
