@@ -144,7 +144,7 @@ class RankGroup:
     def recv(self, what: str, timeout: float | None = None) -> StepResult | ProfileAck:
         """Rank 0's next reply; RanksFailed when a rank fails or none comes within `timeout`."""
         assert self.pull is not None
-        timeout = self.config.heartbeat_timeout_s if timeout is None else timeout
+        timeout = self.config.step_timeout_s if timeout is None else timeout  # a long step is work, not a hang
         deadline = time.monotonic() + timeout
         while not self.pull.poll(int(POLL_S * 1000)):
             self._check()
