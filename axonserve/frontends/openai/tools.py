@@ -494,6 +494,11 @@ class ToolCallFormatter:
     def __init__(self, parser: ToolParser):
         self.parser = parser
         self._streams: dict[int, _Stream] = {}
+        # a named tool_choice finishes with "stop", as OpenAI's API (and vLLM) report it
+        self._calls_reason = "stop" if isinstance(parser, NamedToolParser) else "tool_calls"
+
+    def _finish(self, reason: str | None) -> str | None:
+        return self._calls_reason if reason == "stop" else reason
 
     def message(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall] | None, str | None]:
         """(content, tool_calls, finish_reason) of a finished choice."""
@@ -501,7 +506,7 @@ class ToolCallFormatter:
         if found is None:
             return text, None, finish_reason
         content, calls = found
-        return content, [ToolCall(function=c) for c in calls], _finish(finish_reason)
+        return content, [ToolCall(function=c) for c in calls], self._finish(finish_reason)
 
     def delta(self, index: int, text: str, finish_reason: str | None
               ) -> tuple[str, list[DeltaToolCall] | None, str | None]:
@@ -527,12 +532,9 @@ class ToolCallFormatter:
                 st.args_sent[k] = len(call.arguments)
         if finish_reason is not None:
             if self.parser.calls(st.text) is not None:
-                finish_reason = _finish(finish_reason)
+                finish_reason = self._finish(finish_reason)
             elif not st.ids:  # no call after all: what was held back is content
                 content += st.text[st.content_sent:]
                 st.content_sent = len(st.text)
         return content, frags or None, finish_reason
 
-
-def _finish(reason: str | None) -> str | None:
-    return "tool_calls" if reason == "stop" else reason
