@@ -42,6 +42,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=0,
                    help="bound on queued requests; beyond it requests get HTTP 503 (0: unbounded)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
+    p.add_argument("--quantization", "-q", default="", choices=["", "int8", "int4"],
+                   help="weight-only quantization of the linear layers and LM head (approximate outputs)")
     p.add_argument("--num-workers", "--tensor-parallel-size", "-tp", type=int, default=1, dest="num_workers",
                    help="worker ranks (tensor parallel over gloo)")
     p.add_argument("--enable-expert-parallel", action="store_true",
@@ -119,6 +121,7 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         scheduling_policy=args.scheduling_policy,
         max_waiting=args.max_waiting,
         dtype=dtype,
+        quantization=args.quantization,
         num_workers=args.num_workers,
         enable_expert_parallel=args.enable_expert_parallel,
         threads=args.threads,

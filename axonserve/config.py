@@ -23,6 +23,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     scheduling_policy: str = "fcfs"  # fcfs | priority
     max_waiting: int = 0  # bound on queued requests (0: unbounded); beyond it -> 503
     dtype: str = "float32"
+    quantization: str = ""  # weight-only int8 | int4 (neuron/layers/quant.py); "" = as loaded
     num_workers: int = 1  # worker ranks
     enable_expert_parallel: bool = False  # MoE: experts split over the ranks (else each expert is sharded)
     seed: int = 0

@@ -38,11 +38,16 @@ def iter_weights(path: str, progress: bool = True) -> Iterator[tuple[str, torch.
                 bar.update(1)
 
 
-def load_model(cfg: ModelConfig, dtype: torch.dtype, progress: bool = True) -> nn.Module:
+def load_model(cfg: ModelConfig, dtype: torch.dtype, progress: bool = True, quantization: str = "") -> nn.Module:
+    """quantization: "" (weights as loaded), or a weight-only method of layers/quant.py."""
     t0 = time.perf_counter()
     model = model_class(cfg.architecture)(cfg, dtype)
     model.load_weights(iter_weights(cfg.path, progress))
     model.eval()
-    n = sum(p.numel() for p in model.parameters())
+    if quantization:
+        from axonserve.neuron.layers.quant import quantize_model
+
+        quantize_model(model, quantization, dtype)
+    n = sum(p.numel() for p in model.parameters() if p is not None)
     log.info("model.loaded", arch=cfg.architecture, params=n, dtype=str(dtype), seconds=round(time.perf_counter() - t0, 2))
     return model

@@ -96,7 +96,8 @@ class ModelRunner:
         self.eos_token_ids = mc.eos_token_ids
         self.vocab_size = mc.vocab_size
         self.block_size = config.block_size
-        self.model = load_model(self.model_config, self.dtype, progress=rank == 0)
+        self.model = load_model(self.model_config, self.dtype, progress=rank == 0,
+                                quantization=config.quantization)
         embed = self.task == "embed"  # an encoder keeps no KV cache: each prompt runs whole in one step
         self.num_kv_blocks = 0 if embed else config.num_kv_blocks or self._auto_num_blocks()
         # bucketing: one extra scratch block (index num_kv_blocks, never handed out) takes the

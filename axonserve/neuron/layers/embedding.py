@@ -36,5 +36,8 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Each rank scores its vocab rows; the slices are gathered into full [N, V] logits."""
 
+    quantizable = True  # --quantization: a packed copy (a tied table stays for the lookups)
+    qweight = None
+
     def compute(self, hidden: torch.Tensor) -> torch.Tensor:
-        return tp_all_gather_last(linear(hidden, self.weight))[:, : self.vocab_size]
+        return tp_all_gather_last(linear(hidden, self.weight, q=self.qweight))[:, : self.vocab_size]

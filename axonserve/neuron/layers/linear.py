@@ -7,16 +7,26 @@ checkpoint tensor to this rank's shard, so checkpoint loading is the same for an
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from axonserve.neuron.parallel import TPInfo, tp_all_reduce
 
+if TYPE_CHECKING:
+    from axonserve.neuron.layers.quant import QuantizedWeight
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+
+def linear(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None = None,
+           q: QuantizedWeight | None = None) -> torch.Tensor:
     """F.linear, except a single bf16 row goes through mv: CPU bf16 gemm reads weights at ~half
-    the bandwidth of gemv there, and a 1-token decode step is pure weight bandwidth."""
+    the bandwidth of gemv there, and a 1-token decode step is pure weight bandwidth. With a
+    quantized weight `q` (layers/quant.py) its packed kernel runs instead."""
+    if q is not None:
+        y = q.matmul(x)
+        return y if b is None else y + b
     if x.shape[0] == 1 and x.dim() == 2 and x.dtype == torch.bfloat16:
         y = torch.mv(w, x[0]).unsqueeze(0)
         return y if b is None else y + b
@@ -32,6 +42,9 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's output rows split over ranks (output stays sharded)."""
 
+    quantizable = True  # --quantization packs its weight into `qweight` after loading
+    qweight: QuantizedWeight | None = None
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype = torch.float32):
         super().__init__()
         assert out_features % TPInfo.size == 0, f"{out_features} rows do not split over {TPInfo.size} ranks"
@@ -44,7 +57,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(w.narrow(0, TPInfo.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.qweight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -92,6 +105,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T with W's input columns split over ranks; partial sums are all-reduced."""
 
+    quantizable = True
+    qweight: QuantizedWeight | None = None
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype = torch.float32):
         super().__init__()
         assert in_features % TPInfo.size == 0, f"{in_features} columns do not split over {TPInfo.size} ranks"
@@ -107,7 +123,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias if TPInfo.rank == 0 else None)
+        y = linear(x, self.weight, self.bias if TPInfo.rank == 0 else None, self.qweight)
         return tp_all_reduce(y)
 
 
