@@ -38,16 +38,20 @@ def iter_weights(path: str, progress: bool = True) -> Iterator[tuple[str, torch.
                 bar.update(1)
 
 
-def load_model(cfg: ModelConfig, dtype: torch.dtype, progress: bool = True, quantization: str = "") -> nn.Module:
-    """quantization: "" (weights as loaded), or a weight-only method of layers/quant.py."""
+def load_model(cfg: ModelConfig, dtype: torch.dtype, progress: bool = True, quantization: str = "",
+               pack: bool = True) -> nn.Module:
+    """quantization: "" (weights as loaded), or a weight-only method of layers/quant.py;
+    pack: bf16 linear weights go into oneDNN's layout once (layers/quant.py PackedWeight)."""
     t0 = time.perf_counter()
     model = model_class(cfg.architecture)(cfg, dtype)
     model.load_weights(iter_weights(cfg.path, progress))
     model.eval()
-    if quantization:
-        from axonserve.neuron.layers.quant import quantize_model
+    from axonserve.neuron.layers.quant import can_pack, quantize_model
 
+    if quantization:
         quantize_model(model, quantization, dtype)
+    elif pack and can_pack(dtype):
+        quantize_model(model, "packed", dtype)
     n = sum(p.numel() for p in model.parameters() if p is not None)
     log.info("model.loaded", arch=cfg.architecture, params=n, dtype=str(dtype), seconds=round(time.perf_counter() - t0, 2))
     return model

@@ -59,3 +59,21 @@ def test_quantized_smollm2_stays_close(smollm2_dir, method, min_agree, max_kl):
                                     reduction="batchmean").item()
     assert agree >= min_agree and kl <= max_kl, (agree, kl)
 
+
+
+@pytest.mark.parametrize("rows", [1, 3, 32, 70])
+def test_bf16_weights_in_onednn_layout_give_the_same_products(rows):
+    from axonserve.neuron.layers.quant import PackedWeight, can_pack
+
+    if not can_pack(torch.bfloat16):
+        pytest.skip("oneDNN is not available in this torch build")
+    torch.manual_seed(1)
+    w, x = torch.randn(200, 96).bfloat16(), torch.randn(rows, 96).bfloat16()
+    assert torch.equal(PackedWeight(w).matmul(x), torch.nn.functional.linear(x, w))
+
+
+def test_bf16_runner_packs_its_linears(smollm2_dir):
+    r = ModelRunner(EngineConfig(model=smollm2_dir, dtype="bfloat16", num_kv_blocks=4))
+    layer = r.model.model.layers[0]
+    assert layer.mlp.down_proj.qweight.method == "packed" and layer.mlp.down_proj.weight is None
+    assert r.model.lm_head.qweight is not None and r.model.model.embed_tokens.weight is not None  # tied table kept

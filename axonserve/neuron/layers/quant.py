@@ -58,9 +58,30 @@ class QuantizedWeight:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.data, INT4_GROUP, self.scales)
 
 
+class PackedWeight:
+    """A bf16 weight reordered once into oneDNN's blocked layout (what inductor's CPU freezing
+    does): a plain bf16 gemm re-packs the weight on every call, which on this machine made a
+    batch-32 SmolLM2 step's matmuls 23 ms instead of 16. Same products, bit for bit."""
+
+    method = "packed"
+
+    def __init__(self, w: torch.Tensor):
+        self.shape = tuple(w.shape)
+        self.data = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 32)  # hint: a typical batch
+        self.nbytes = w.numel() * w.element_size()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.data, None, "none", [], "")
+
+
+def can_pack(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+
+
 def quantize_model(model: nn.Module, method: str, act_dtype: torch.dtype) -> None:
-    """Give every module with a `quantizable` weight a `qweight` and drop its dense weight
-    (tied LM heads keep the embedding's table for lookups and get their own packed copy)."""
+    """Give every module with a `quantizable` weight a `qweight` (a low-bit format, or with
+    method "packed" the bf16 weight in oneDNN's layout) and drop its dense weight (tied LM
+    heads keep the embedding's table for lookups and get their own packed copy)."""
     shared = {id(p) for m in model.modules() if not getattr(m, "quantizable", False)
               for p in m.parameters(recurse=False)}
     before = after = 0
@@ -68,7 +89,7 @@ def quantize_model(model: nn.Module, method: str, act_dtype: torch.dtype) -> Non
         if not getattr(m, "quantizable", False):
             continue
         w = m.weight
-        m.qweight = QuantizedWeight(w.data, method, act_dtype)
+        m.qweight = PackedWeight(w.data) if method == "packed" else QuantizedWeight(w.data, method, act_dtype)
         before += w.numel() * w.element_size()
         after += m.qweight.nbytes
         if id(w) not in shared:
