@@ -119,3 +119,21 @@ def test_step_longer_than_heartbeat_timeout_is_not_a_hang(smollm2_dir):
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))[0]
         assert out.outputs[0].finish_reason == "length"
         assert time.monotonic() - t0 > config.heartbeat_timeout_s, "the step must outlast the heartbeat timeout"
+
+
+@pytest.mark.timeout(120)
+def test_worker_failing_at_load_is_reported_cleanly(tiny_llama_dir, tmp_path):
+    """A rank that cannot build the model (here: heads that do not split over the ranks) fails
+    start-up with its reason; the scheduler, still waiting for its configuration, must not crash."""
+    import subprocess
+    import sys
+
+    from frontends.server import REPO
+
+    proc = subprocess.run([sys.executable, "-m", "axonserve.cli", "serve", tiny_llama_dir, "--port", "0",
+                           "--num-kv-blocks", "32", "-tp", "3"], cwd=REPO, capture_output=True, text=True,
+                          timeout=100)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "do not split over 3 tensor-parallel ranks" in out
+    assert "on_peer_failed_error" not in out, out[-3000:]  # the scheduler took the news without crashing

@@ -53,6 +53,7 @@ PROFILE_TIMEOUT_S = 120.0  # stopping writes every rank's trace
 
 class SchedulerActor(Actor):
     kind = "scheduler"
+    dead_reason: str | None = None  # set once the engine can serve no more (also before setup ends)
 
     async def setup(self) -> dict:
         a = self.addresses
@@ -107,7 +108,6 @@ class SchedulerActor(Actor):
         self._last_counters = (0, 0, 0, 0, 0)
         self._owner: dict[str, bytes] = {}  # request id -> client identity
         self.pooled_rows: dict[str, memoryview] = {}  # the last result's vectors, by request id
-        self.dead_reason: str | None = None
         self._dead = asyncio.Event()
         self._work = asyncio.Event()
         self._profile_q: deque[tuple[bytes, str]] = deque()  # (client, start|stop), run between steps
@@ -332,6 +332,8 @@ class SchedulerActor(Actor):
         if self.dead_reason is not None:
             return
         self.dead_reason = reason
+        if not hasattr(self, "_work"):  # still starting (a worker failed to load): nothing to fail
+            return
         self._dead.set()
         self._work.set()
         failed = self.sched.abort_all("error")
