@@ -1,6 +1,6 @@
-"""Served end to end through the OpenAI API on 2 worker ranks: Qwen3 (tensor parallel) and
-Qwen3-MoE (tensor + expert parallel, tokens dispatched between the ranks by all-to-all) give
-transformers' greedy text, for requests that share steps."""
+"""Served end to end through the OpenAI API on 2 and 4 worker ranks: Llama and Qwen3 (tensor
+parallel) and Qwen3-MoE (tensor + expert parallel, tokens dispatched between the ranks by
+all-to-all) give transformers' greedy text, for requests that share steps."""
 
 from __future__ import annotations
 
@@ -40,17 +40,19 @@ def transformers_texts(model_dir: str) -> list[str]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("arch, flags", [
-    ("Qwen3ForCausalLM", ()),
-    ("Qwen3MoeForCausalLM", ("--enable-expert-parallel",)),
-], ids=["qwen3-tp2", "qwen3moe-tp2-ep"])
-def test_two_ranks_serve_transformers_greedy(arch, flags, tmp_path, smollm2_dir):
+@pytest.mark.parametrize("arch, tp, flags", [
+    ("Qwen3ForCausalLM", 2, ()),
+    ("Qwen3MoeForCausalLM", 2, ("--enable-expert-parallel",)),
+    ("LlamaForCausalLM", 4, ()),
+    ("Qwen3MoeForCausalLM", 4, ("--enable-expert-parallel",)),
+], ids=["qwen3-tp2", "qwen3moe-tp2-ep", "llama-tp4", "qwen3moe-tp4-ep"])
+def test_ranks_serve_transformers_greedy(arch, tp, flags, tmp_path, smollm2_dir):
     model_dir = make_tiny_model(str(tmp_path), arch, tokenizer_dir=smollm2_dir)
     want = transformers_texts(model_dir)
-    args = ("--num-kv-blocks", "128", "--served-model-name", "tiny", "--tensor-parallel-size", "2", *flags)
+    args = ("--num-kv-blocks", "128", "--served-model-name", "tiny", "--tensor-parallel-size", str(tp), *flags)
     with serve(model_dir, *args) as srv:
         workers = [c for c in session_pids(srv.proc.pid).values() if '"kind":"worker"' in c]
-        assert len(workers) == 2
+        assert len(workers) == tp
         if flags:
             assert all('"enable_expert_parallel":true' in c for c in workers)
         got = served_texts(srv.base_url)
