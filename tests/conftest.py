@@ -31,32 +31,29 @@ def smollm2_dir() -> str:
     return resolve_model(None)
 
 
-def make_tiny_llama(out_dir: str, tokenizer_dir: str, seed: int = 0, **overrides) -> str:
-    """Random-weight Llama with GQA, saved as safetensors next to a copy of the tokenizer."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+# 2 layers, hidden 64, 4 query / 2 KV heads: every tiny test decoder's shape
+TINY_DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
-    cfg = dict(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    cfg.update(overrides)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
-    model.save_pretrained(out_dir, safe_serialization=True)
+
+def copy_tokenizer(tokenizer_dir: str, out_dir: str) -> None:
     for name in TOKENIZER_FILES:
         src = os.path.join(tokenizer_dir, name)
         if os.path.exists(src) and name != "generation_config.json":
             shutil.copy(src, os.path.join(out_dir, name))
+
+
+def make_tiny_llama(out_dir: str, tokenizer_dir: str, seed: int = 0, **overrides) -> str:
+    """Random-weight Llama with GQA (transformers' own init), saved as safetensors next to a
+    copy of the tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = {**TINY_DECODER, "vocab_size": 49152, "max_position_embeddings": 2048, **overrides}
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    copy_tokenizer(tokenizer_dir, out_dir)
     return out_dir
 
 
@@ -135,20 +132,7 @@ def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None = None, s
     import transformers
 
     config_cls, extra = TINY_ARCHS[arch]
-    cfg = dict(
-        vocab_size=49152 if tokenizer_dir else 1024,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        **extra,
-    )
+    cfg = {**TINY_DECODER, "vocab_size": 49152 if tokenizer_dir else 1024, "max_position_embeddings": 512, **extra}
     cfg.update(overrides)
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**cfg)
@@ -163,8 +147,5 @@ def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None = None, s
                 p.normal_(0, 0.1)
     model.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer_dir:
-        for name in TOKENIZER_FILES:
-            src = os.path.join(tokenizer_dir, name)
-            if os.path.exists(src) and name != "generation_config.json":
-                shutil.copy(src, os.path.join(out_dir, name))
+        copy_tokenizer(tokenizer_dir, out_dir)
     return out_dir
