@@ -32,6 +32,26 @@ def session_pids(sid: int) -> dict[int, str]:
     return out
 
 
+def stream_until_error(url: str, body: dict, fault, after: int = 5, read_timeout: float = 30) -> dict | None:
+    """Stream a completion, call `fault()` after `after` chunks, return the error chunk's error
+    (None if the stream ended without one). The read timeout bounds detection: a hang that
+    is never noticed fails the caller here."""
+    chunks = 0
+    with (httpx.Client(timeout=httpx.Timeout(10, read=read_timeout)) as http,
+          http.stream("POST", url + "/v1/completions", json=body) as r):
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                return data["error"]
+            chunks += 1
+            if chunks == after:
+                fault()
+    return None
+
+
 def actor_pid(sid: int, kind: str) -> int:
     for pid, cmd in session_pids(sid).items():
         if "axonserve.actors.entry" in cmd and f'"kind":"{kind}"' in cmd:
@@ -56,22 +76,14 @@ def test_dead_actor_fails_requests_and_health(tiny_llama_dir, victim):
         sid = srv.proc.pid
         body = {"model": tiny_llama_dir, "prompt": "Once upon a time", "max_tokens": 1900,
                 "ignore_eos": True, "temperature": 0, "stream": True}
-        chunks, error = 0, None
         t_kill = None
-        with httpx.Client(timeout=30) as http:
-            with http.stream("POST", srv.base_url + "/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    data = json.loads(line[6:])
-                    if "error" in data:
-                        error = data["error"]
-                        break
-                    chunks += 1
-                    if chunks == 5:
-                        os.kill(actor_pid(sid, victim), signal.SIGKILL)
-                        t_kill = time.monotonic()
+
+        def kill() -> None:
+            nonlocal t_kill
+            os.kill(actor_pid(sid, victim), signal.SIGKILL)
+            t_kill = time.monotonic()
+
+        error = stream_until_error(srv.base_url, body, kill)
         assert t_kill is not None, "stream ended before the kill"
         assert error is not None, "the stream must end with an error chunk, not silently"
         assert time.monotonic() - t_kill < 10

@@ -8,14 +8,12 @@ worker then reports itself failed, and the supervisor SIGKILLs the stopped rank 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 
-import httpx
 import pytest
 from frontends.server import health, serve
-from test_faults import session_pids, wait_until
+from test_faults import session_pids, stream_until_error, wait_until
 
 
 def worker_pid(sid: int, rank: int) -> int:
@@ -37,22 +35,14 @@ def test_rank_fault_mid_generation_fails_requests_and_stops_engine(tiny_llama_di
         sid = srv.proc.pid
         body = {"model": tiny_llama_dir, "prompt": "Once upon a time", "max_tokens": 1900,
                 "ignore_eos": True, "temperature": 0, "stream": True}
-        chunks, error, victim = 0, None, None
-        # the read timeout bounds detection: a hang that is never noticed fails the test here
-        with (httpx.Client(timeout=httpx.Timeout(10, read=60)) as http,
-              http.stream("POST", srv.base_url + "/v1/completions", json=body) as r):
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
-                if "error" in data:
-                    error = data["error"]
-                    break
-                chunks += 1
-                if chunks == 5:
-                    victim = worker_pid(sid, rank)
-                    os.kill(victim, sig)
+        victim = None
+
+        def fault() -> None:
+            nonlocal victim
+            victim = worker_pid(sid, rank)
+            os.kill(victim, sig)
+
+        error = stream_until_error(srv.base_url, body, fault, read_timeout=60)
         assert victim is not None, "the stream ended before the fault"
         assert error is not None, "the stream must end with an error chunk, not silently"
         assert "worker" in error["message"], error
