@@ -13,7 +13,7 @@ import msgspec
 import structlog
 
 from axonserve import __version__
-from axonserve.config import EngineConfig
+from axonserve.config import EngineConfig, SpeculativeConfig
 from axonserve.engine.buckets import parse_buckets
 from axonserve.logs import setup_logging
 
@@ -63,6 +63,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-len-buckets", type=parse_buckets, default=[], metavar="N,N,...",
                    help="KV-length buckets for both phases (default: powers of two from 128 up "
                         "to max_model_len); max_model_len is capped at the largest")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s shape: {"method": "ngram"|"eagle", '
+                        '"num_speculative_tokens": 3, "model": HEAD_DIR, "prompt_lookup_max": 3, '
+                        '"disable_by_batch_size": 4}')
     p.add_argument("--log-format", default="console", choices=["console", "json"])
     p.add_argument("--log-level", default="info")
     p.add_argument("--profile-dir", default=os.environ.get("VLLM_TORCH_PROFILER_DIR", ""), metavar="DIR",
@@ -73,6 +77,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--snapshot-dir", default="axonserve-snapshots", metavar="DIR",
                    help="where the snapshot sink writes safetensors files and index.json "
                         "(read them with `axonserve snapshot ls|show DIR`)")
+
+
+def _speculative_config(text: str) -> SpeculativeConfig | None:
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def _rules_help() -> str:
@@ -136,6 +147,7 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         profile_dir=os.path.abspath(args.profile_dir) if args.profile_dir else "",
         snapshot=args.snapshot or "",
         snapshot_dir=os.path.abspath(args.snapshot_dir) if args.snapshot else "",
+        speculative=args.speculative_config,
         **extra,
     )
 

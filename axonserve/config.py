@@ -8,6 +8,40 @@ from __future__ import annotations
 import msgspec
 
 
+class SpeculativeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """vLLM's --speculative-config: who proposes draft tokens and how many per step."""
+
+    method: str  # ngram (prompt lookup, in the scheduler) | eagle (draft head, drafter actor)
+    num_speculative_tokens: int = 3
+    model: str = ""  # eagle: head directory; "" = the head shipped for the default model
+    prompt_lookup_min: int = 1  # ngram: shortest suffix matched
+    prompt_lookup_max: int = 3  # ngram: longest suffix matched (tried first)
+    # fall back to plain decoding while more requests than this decode at once (0: never);
+    # verification turns compute-bound as the batch grows, so speculation stops paying
+    disable_by_batch_size: int = 4
+    # a request whose recent acceptance rate falls below this pauses drafting for a while
+    min_acceptance_rate: float = 0.2
+
+    @classmethod
+    def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """From --speculative-config JSON or the offline API's dict (vLLM's field names)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        try:
+            return msgspec.convert(msgspec.json.decode(value) if isinstance(value, str) else value, cls).validate()
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise ValueError(f"bad speculative config: {e}") from e
+
+    def validate(self) -> "SpeculativeConfig":
+        if self.method not in ("ngram", "eagle"):
+            raise ValueError(f"speculative method {self.method!r} is not supported; supported: ngram, eagle")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in [1, 16]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        return self
+
+
 class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str  # resolved model directory (config.json, weights, tokenizer)
     served_model_name: str = ""
@@ -59,6 +93,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     profile_dir: str = ""  # torch.profiler traces per worker rank (POST /start_profile); "" = off
     snapshot: str = ""  # tensor snapshot rules as JSON (neuron/snapshot.py SnapshotRules); "" = off
     snapshot_dir: str = ""  # where the snapshot sink writes safetensors files + index.json
+    speculative: SpeculativeConfig | None = None  # speculative decoding (engine/spec.py)
+
+    def __post_init__(self) -> None:
+        if self.speculative is not None:
+            self.speculative.validate()
+            if self.bucketing:
+                raise ValueError("speculative decoding is not supported in bucketing mode yet")
 
 
 class Addresses(msgspec.Struct, kw_only=True):
@@ -72,6 +113,7 @@ class Addresses(msgspec.Struct, kw_only=True):
     metrics: str = ""  # metrics actor ROUTER: GetMetrics -> MetricsText
     dist_init: str = ""  # torch.distributed init_method for worker ranks (tcp://host:port)
     snapshot: str = ""  # worker rank 0 PUSH (non-blocking) -> snapshot sink PULL
+    drafter: str = ""  # drafter ROUTER (EAGLE speculative decoding) <- scheduler DEALER
 
     @classmethod
     def in_dir(cls, d: str, dist_port: int = 0) -> "Addresses":
@@ -84,6 +126,7 @@ class Addresses(msgspec.Struct, kw_only=True):
             metrics=f"ipc://{d}/metrics",
             dist_init=f"tcp://127.0.0.1:{dist_port}" if dist_port else "",
             snapshot=f"ipc://{d}/snapshot",
+            drafter=f"ipc://{d}/drafter",
         )
 
 

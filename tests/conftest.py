@@ -6,8 +6,10 @@ through the real loaders in seconds.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
+from collections import Counter
 
 import pytest
 
@@ -149,3 +151,22 @@ def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None = None, s
     if tokenizer_dir:
         copy_tokenizer(tokenizer_dir, out_dir)
     return out_dir
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """Chi-square quantile by Wilson–Hilferty (z = 3.09: p = 0.001)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi2(observed: Counter, probs: dict[int, float], n: int) -> tuple[float, int]:
+    """Statistic and degrees of freedom, with cells of expectation < 5 pooled."""
+    cells, rest_o, rest_e = [], 0, 0.0
+    for tok, p in probs.items():
+        if n * p >= 5:
+            cells.append((observed.get(tok, 0), n * p))
+        else:
+            rest_o, rest_e = rest_o + observed.get(tok, 0), rest_e + n * p
+    rest_o += sum(c for t, c in observed.items() if t not in probs)
+    if rest_e > 0:
+        cells.append((rest_o, rest_e))
+    return sum((o - e) ** 2 / e for o, e in cells), len(cells) - 1

@@ -48,6 +48,10 @@ def actor_class(kind: str):
         from axonserve.actors.snapshot import SnapshotSink
 
         return SnapshotSink
+    if kind == "drafter":
+        from axonserve.spec.drafter import DrafterActor
+
+        return DrafterActor
     if kind == "frontend":
         from axonserve.frontends.openai.actor import FrontendActor
 

@@ -82,6 +82,11 @@ class EngineMetrics:
         self.req_prompt = h("vllm:request_prompt_tokens", "Prompt tokens per request", tok_buckets)
         self.req_gen = h("vllm:request_generation_tokens", "Generated tokens per request", tok_buckets)
         self.iter_tokens = h("vllm:iteration_tokens_total", "Tokens per engine step", tok_buckets)
+        self.spec_drafts = c("vllm:spec_decode_num_drafts", "Verifications of draft tokens (one per request-step)")
+        self.spec_draft_tokens = c("vllm:spec_decode_num_draft_tokens", "Draft tokens verified")
+        self.spec_accepted = c("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.spec_per_pos = c("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position",
+                              ["position"])
         self.step_time = Histogram("axonserve:step_phase_seconds", "Step time by phase",
                                    lbl + ["phase"], buckets=STEP_BUCKETS, registry=r)
         self.alive = g("axonserve:actor_last_seen_timestamp_seconds", "Last stats heartbeat", ["actor"])
@@ -107,6 +112,12 @@ class EngineMetrics:
                 self.ttft.labels(m).observe(v)
             for v in ev.itl_s:
                 self.itl.labels(m).observe(v)
+            if ev.spec_drafts:
+                self.spec_drafts.labels(m).inc(ev.spec_drafts)
+                self.spec_draft_tokens.labels(m).inc(ev.spec_draft_tokens)
+                self.spec_accepted.labels(m).inc(ev.spec_accepted_tokens)
+                for pos, n in enumerate(ev.spec_accepted_per_pos):
+                    self.spec_per_pos.labels(m, str(pos)).inc(n)
             for phase in STEP_PHASES:
                 self.step_time.labels(m, phase).observe(getattr(ev, f"{phase}_s"))
             self.dropped.labels(m, "scheduler").set(ev.dropped)

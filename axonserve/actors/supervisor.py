@@ -102,6 +102,10 @@ class Supervisor:
                                    addresses=self.addresses))
             specs.append(ActorSpec(kind="metrics", name="metrics", config=self.config,
                                    addresses=self.addresses))
+        spec_cfg = self.config.speculative
+        if spec_cfg is not None and spec_cfg.method == "eagle" and not self.workers_only:
+            specs.append(ActorSpec(kind="drafter", name="drafter", config=self.config,
+                                   addresses=self.addresses))
         if self.config.snapshot:  # tensor snapshots: the sink that writes them to disk
             specs.append(ActorSpec(kind="snapshot", name="snapshot", config=self.config,
                                    addresses=self.addresses))

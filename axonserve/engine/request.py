@@ -48,6 +48,9 @@ class Request:
         "t_first",
         "t_last",
         "pooling",
+        "spec_token_ids",
+        "num_spec_scheduled",
+        "spec",
     )
 
     def __init__(
@@ -93,6 +96,11 @@ class Request:
         # embed task: the whole prompt runs in one step (no KV blocks, no prefix cache, never
         # chunked), then the request finishes with a pooled vector
         self.pooling = pooling
+        # speculative decoding (engine/spec.py): drafts proposed for the next step, how many
+        # of them the step in flight verifies, and the request's acceptance history
+        self.spec_token_ids: list[int] = []
+        self.num_spec_scheduled = 0
+        self.spec = None
 
     @property
     def num_tokens(self) -> int:

@@ -27,8 +27,10 @@ import time
 from dataclasses import dataclass
 
 from axonserve.engine.block_manager import BlockManager
+from axonserve.config import SpeculativeConfig
 from axonserve.engine.buckets import BucketConfig
 from axonserve.engine.request import Request, Status
+from axonserve.engine.spec import SpecDecoding
 from axonserve.protocol.messages import (
     CachedRequestData,
     NewRequestData,
@@ -53,6 +55,7 @@ class SchedulerConfig:
     policy: str = "fcfs"  # fcfs | priority (lower value runs first, as in vLLM)
     buckets: BucketConfig | None = None  # bucketing mode (static shapes) when set
     task: str = "generate"  # embed: every request is a pooling request (no KV blocks)
+    speculative: SpeculativeConfig | None = None  # drafts verified in the step (engine/spec.py)
 
 
 class Scheduler:
@@ -79,6 +82,8 @@ class Scheduler:
         # bucketing mode
         self._last_phase = ""  # "decode" | "prefill": kind of the last bucketed step
         self.shapes: set[tuple] = set()  # distinct (phase, batch, query_len, kv_len) the workers ran
+        self.spec = SpecDecoding(cfg.speculative) if cfg.speculative else None
+        self.want_features = bool(cfg.speculative and cfg.speculative.method == "eagle")
 
     def _order_key(self, req: Request) -> tuple:
         return self._order[req.request_id]
@@ -185,6 +190,8 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
+            k = min(len(req.spec_token_ids), budget - 1) if n == 1 else 0  # drafts ride along
+            n += k
             while not self.blocks.ensure(req, req.num_computed_tokens + n):
                 victim = self._pick_victim()
                 for i, (r, rn) in enumerate(scheduled):
@@ -198,6 +205,7 @@ class Scheduler:
                     break
             if req.status != Status.RUNNING:
                 continue
+            req.num_spec_scheduled = k
             scheduled.append((req, n))
             budget -= n
             if budget == 0:
@@ -354,7 +362,11 @@ class Scheduler:
 
     def _make_plan(self, scheduled: list[tuple[Request, int]]) -> StepPlan:
         new, cached, new_n, cached_n = [], [], [], []
+        drafts: dict[str, list[int]] = {}
         for req, n in scheduled:
+            if req.num_spec_scheduled:
+                drafts[req.request_id] = req.spec_token_ids[: req.num_spec_scheduled]
+            req.spec_token_ids = []
             if not req.sent_to_worker:
                 new.append(
                     NewRequestData(
@@ -384,16 +396,14 @@ class Scheduler:
             cached=cached,
             num_scheduled_tokens=new_n + cached_n,
             finished_request_ids=self._to_drop,
+            draft_token_ids=drafts,
+            want_features=self.want_features,
         )
         self._to_drop = []
         return plan
 
     def update(self, result: StepResult) -> list[RequestDelta]:
         """Apply sampled tokens; return the deltas to send (finished ones included)."""
-        for req in self._in_flight:
-            if req.status == Status.RUNNING and req.pooling is None:
-                self.blocks.cache_computed(req)
-        self._in_flight = []
         if result.new_shapes:
             self.shapes.update(tuple(x) for x in result.new_shapes)
         for pl in result.prompt_logprobs:
@@ -406,12 +416,27 @@ class Scheduler:
         deltas = []
         now = time.monotonic()
         lps = result.logprobs
-        for i, (rid, tok) in enumerate(zip(result.request_ids, result.sampled_token_ids)):
+        counts = result.num_sampled or itertools.repeat(1)
+        at = 0
+        for i, (rid, m) in enumerate(zip(result.request_ids, counts)):
+            toks = result.sampled_token_ids[at : at + m]
+            at += m
             req = self.requests.get(rid)
             if req is None or req.status != Status.RUNNING:  # aborted or preempted meanwhile
                 continue
-            done = req.append_token(tok, self.cfg.eos_token_ids)
-            self.generation_tokens += 1
+            k, req.num_spec_scheduled = req.num_spec_scheduled, 0
+            if k:  # m - 1 drafts accepted: the rejected ones' positions are not computed
+                req.num_computed_tokens -= k - (m - 1)
+                if self.spec is not None:
+                    self.spec.record(req, k, m - 1)
+            new: list[int] = []
+            done = False
+            for tok in toks:
+                new.append(tok)
+                done = req.append_token(tok, self.cfg.eos_token_ids)
+                if done:
+                    break
+            self.generation_tokens += len(new)
             if req.t_first is None:
                 req.t_first = now
                 self.ttft.append(now - req.t_arrival)
@@ -420,7 +445,7 @@ class Scheduler:
             req.t_last = now
             delta = RequestDelta(
                 request_id=rid,
-                new_token_ids=[tok],
+                new_token_ids=new,
                 logprobs=[lps[i]] if lps is not None and lps[i] is not None else None,
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=req.num_cached_tokens,
@@ -440,6 +465,10 @@ class Scheduler:
             req.finish_reason = "stop"
             deltas.append(RequestDelta(rid, finish_reason="stop", num_prompt_tokens=req.num_prompt_tokens))
             self._finish(req)
+        for req in self._in_flight:  # after the drafts' correction: only verified KV is published
+            if req.status == Status.RUNNING and req.pooling is None:
+                self.blocks.cache_computed(req)
+        self._in_flight = []
         return deltas
 
     # ------------------------------------------------------------------ internals
@@ -455,6 +484,7 @@ class Scheduler:
             self._to_drop.append(req.request_id)
             req.sent_to_worker = False
         req.num_computed_tokens = 0
+        req.spec_token_ids, req.num_spec_scheduled = [], 0
         req.status = Status.PREEMPTED
         bisect.insort(self.waiting, req, key=self._order_key)  # ahead of later arrivals
         self.num_preemptions += 1
@@ -497,4 +527,12 @@ class Scheduler:
             generation_tokens=self.generation_tokens,
             num_shapes=len(self.shapes),
             shapes=sorted(self.shapes),
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, int | list[int]]:
+        if self.spec is None:
+            return {}
+        drafts, drafted, accepted, per_pos = self.spec.counters()
+        return dict(spec_drafts=drafts, spec_draft_tokens=drafted, spec_accepted_tokens=accepted,
+                    spec_accepted_per_pos=per_pos)

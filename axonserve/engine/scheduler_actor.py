@@ -89,6 +89,7 @@ class SchedulerActor(Actor):
                 policy=self.config.scheduling_policy,
                 buckets=buckets,
                 task=self.task,
+                speculative=self.config.speculative,
             )
         )
         self.engine_info = EngineInfo(
@@ -105,7 +106,8 @@ class SchedulerActor(Actor):
         )
         self.clients: set[bytes] = set()
         self.num_rejected_overload = 0
-        self._last_counters = (0, 0, 0, 0, 0)
+        self._last_counters = (0,) * 8
+        self._last_per_pos: list[int] = []
         self._owner: dict[str, bytes] = {}  # request id -> client identity
         self.pooled_rows: dict[str, memoryview] = {}  # the last result's vectors, by request id
         self._dead = asyncio.Event()
@@ -239,7 +241,14 @@ class SchedulerActor(Actor):
             deltas = self.sched.update(result)
             if deltas:
                 await self._send_deltas(deltas, self.pooled_rows)
+            self._propose()
             self._publish_step(plan, result, t1 - t0, t2 - t1, time.perf_counter() - t2, t_sent - t1)
+
+    def _propose(self) -> None:
+        """Draft tokens for the next step's verification (speculative decoding)."""
+        spec = self.sched.spec
+        if spec is not None and spec.cfg.method == "ngram":
+            spec.ngram(spec.candidates(self.sched.running))
 
     def _log_preempted(self, plan: StepPlan) -> None:
         """Requests whose worker state this plan drops while they wait again were preempted."""
@@ -267,10 +276,12 @@ class SchedulerActor(Actor):
                       update_s: float, send_s: float = 0.0) -> None:
         """Stats for the metrics actor: gauges now, counters as deltas since the last step."""
         s = self.sched
+        spec = s.spec.counters() if s.spec else (0, 0, 0, [])
         cur = (s.prompt_tokens, s.generation_tokens, s.num_preemptions, s.prefix_queries,
-               s.prefix_hits)
+               s.prefix_hits, *spec[:3])
         d = [a - b for a, b in zip(cur, self._last_counters)]
-        self._last_counters = cur
+        per_pos = [a - b for a, b in zip(spec[3], self._last_per_pos)]
+        self._last_counters, self._last_per_pos = cur, spec[3]
         self.publish(StepStats(
             num_running=len(s.running), num_waiting=len(s.waiting),
             kv_cache_usage=s.blocks.usage(),
@@ -281,6 +292,8 @@ class SchedulerActor(Actor):
             sample_s=result.sample_s, update_s=update_s,
             ttft_s=s.ttft, itl_s=s.itl, dropped=self.stats_dropped,
             send_s=send_s, return_s=max(0.0, rt_s - send_s - result.forward_s - result.sample_s),
+            spec_drafts=d[5], spec_draft_tokens=d[6], spec_accepted_tokens=d[7],
+            spec_accepted_per_pos=per_pos if any(per_pos) else [],
         ))
         s.ttft, s.itl = [], []
         for ev in s.finished_stats:

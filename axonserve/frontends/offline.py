@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from axonserve.config import EngineConfig
+from axonserve.config import EngineConfig, SpeculativeConfig
 from axonserve.protocol.messages import PoolingParams, SamplingParams, TokenLogprobs
 
 
@@ -69,6 +69,8 @@ class LLM:
             from axonserve.neuron.model_source import resolve_model
 
             name = model or "SmolLM2-135M-Instruct"
+            if "speculative_config" in kwargs:  # vLLM's keyword
+                kwargs["speculative"] = SpeculativeConfig.parse(kwargs.pop("speculative_config"))
             config = EngineConfig(model=resolve_model(model), served_model_name=name, **kwargs)
         from axonserve.neuron.pooling import resolve_task
 

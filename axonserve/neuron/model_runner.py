@@ -24,7 +24,13 @@ from axonserve.neuron.config import ModelConfig
 from axonserve.neuron.loader import load_model
 from axonserve.neuron.models.bert import EncoderBatch
 from axonserve.neuron.ops.attention import AttentionMetadata, build_static
-from axonserve.neuron.parallel import CollectiveError, TPInfo, init_tensor_parallel, tp_broadcast_ids
+from axonserve.neuron.parallel import (
+    CollectiveError,
+    TPInfo,
+    init_tensor_parallel,
+    tp_broadcast_ids,
+    tp_broadcast_ragged,
+)
 from axonserve.neuron.pooling import resolve_task
 from axonserve.neuron.sampler import Sampler
 from axonserve.neuron.snapshot import StepSnapshots, contiguous_rows, padded_rows
@@ -186,13 +192,15 @@ class ModelRunner:
 
     def _execute(self, plan: StepPlan) -> StepResult:
         scheduled = self._apply_diff(plan)
+        drafts = plan.draft_token_ids
         work = []
         for st, n in zip(scheduled, plan.num_scheduled_tokens):
             if n <= 0:
                 continue
-            c = st.num_computed_tokens
-            if c + n > len(st.token_ids):
-                raise ValueError(f"request {st.request_id}: {c}+{n} tokens scheduled but only {len(st.token_ids)} known")
+            c, k = st.num_computed_tokens, len(drafts.get(st.request_id, ()))
+            if c + n > len(st.token_ids) + k or (k and c + n - k != len(st.token_ids)):
+                raise ValueError(f"request {st.request_id}: {c}+{n} tokens scheduled ({k} drafts) "
+                                 f"but {len(st.token_ids)} known")
             if c + n > self.max_model_len:
                 raise ValueError(f"request {st.request_id}: position {c + n} exceeds max_model_len {self.max_model_len}")
             work.append((st, n))
@@ -201,6 +209,8 @@ class ModelRunner:
         if self.task == "embed":
             return self._execute_pooling(plan, work)
         if self.buckets is not None:
+            if drafts:
+                raise ValueError("speculative decoding is not supported in bucketing mode")
             return self._execute_bucketed(plan, work, self.buckets)
         # flat batch: decodes (1 token) first, then prefill chunks; plan order kept within each group
         flat = [w for w in work if w[1] == 1] + [w for w in work if w[1] != 1]
@@ -208,7 +218,8 @@ class ModelRunner:
         last_tok: dict[str, int] = {}
         for st, n in flat:
             c = st.num_computed_tokens
-            input_ids.extend(st.token_ids[c : c + n])
+            d = drafts.get(st.request_id)
+            input_ids.extend(st.token_ids[c : c + n] if d is None else [st.token_ids[c], *d])
             last_tok[st.request_id] = len(input_ids) - 1
         meta = AttentionMetadata.build(
             [n for _, n in flat], [st.num_computed_tokens for st, _ in flat], [st.block_ids for st, _ in flat], self.block_size
@@ -217,13 +228,38 @@ class ModelRunner:
             self.snapshots.begin(plan.step_id, contiguous_rows(flat), torch.tensor(input_ids), meta.positions)
         hidden = self.model(torch.from_numpy(np.asarray(input_ids, dtype=np.int64)), meta.positions, self.kv_caches, meta)
         prompt_lps = self._prompt_logprobs([(st, n, last_tok[st.request_id]) for st, n in work], hidden)
+        starts = {st.request_id: st.num_computed_tokens for st, _ in work}
         for st, n in work:
-            st.num_computed_tokens += n
-        samplers = [st for st, _ in work if st.num_computed_tokens == len(st.token_ids)]
-        logits = None
-        if samplers:
-            logits = self.model.compute_logits(hidden[torch.tensor([last_tok[st.request_id] for st in samplers])])
-        return self._sample(plan, samplers, logits, prompt_logprobs=prompt_lps)
+            if st.request_id not in drafts:  # verified requests move on in _sample
+                st.num_computed_tokens += n
+        samplers = [st for st, _ in work if st.request_id not in drafts and st.num_computed_tokens == len(st.token_ids)]
+        verify = [st for st, _ in work if st.request_id in drafts]
+        rows = [last_tok[st.request_id] for st in samplers]
+        for st in verify:  # the last known token's row and each draft's
+            last = last_tok[st.request_id]
+            rows.extend(range(last - len(drafts[st.request_id]), last + 1))
+        logits = self.model.compute_logits(hidden[torch.tensor(rows)]) if rows else None
+        result = self._sample(plan, samplers, logits, verify=verify, prompt_logprobs=prompt_lps)
+        if plan.want_features and self.rank == 0:
+            self._features(result, work, starts, last_tok, hidden)
+        return result
+
+    def _features(self, result: StepResult, work: list[tuple[RequestState, int]], starts: dict[str, int],
+                  last_tok: dict[str, int], hidden: torch.Tensor) -> None:
+        """EAGLE: hidden states of the positions that became valid this step (a prompt chunk,
+        or the last known token plus the accepted drafts), as one [rows, H] float32 frame."""
+        rows: list[int] = []
+        for st, n in work:
+            c = starts[st.request_id]
+            m = st.num_computed_tokens - c  # valid positions c..c+m-1
+            first = last_tok[st.request_id] - n + 1
+            rows.extend(range(first, first + m))
+            result.feature_request_ids.append(st.request_id)
+            result.feature_starts.append(c)
+            result.feature_counts.append(m)
+        feats = hidden[torch.tensor(rows)].float().contiguous()
+        self.result_tensors.append(feats)
+        result.features = tensor_ref(len(self.result_tensors), feats)
 
     def _execute_pooling(self, plan: StepPlan, work: list[tuple[RequestState, int]]) -> StepResult:
         """Encoder step: each scheduled request is a whole prompt; one forward, one pooled
@@ -312,24 +348,43 @@ class ModelRunner:
                             new_shapes=new_shapes, prompt_logprobs=prompt_lps)
 
     def _sample(self, plan: StepPlan, samplers: list, logits: torch.Tensor | None,
-                **extra: Any) -> StepResult:
-        """Sample one token per finished request (rows of `logits`), append it, report it."""
-        if not samplers:
+                verify: list[RequestState] = (), **extra: Any) -> StepResult:
+        """Sample one token per finished request (the first len(samplers) rows of `logits`),
+        and verify the drafts of `verify` (the rows after those); append, report."""
+        if not samplers and not verify:
             return StepResult(step_id=plan.step_id, **extra)
         t0 = time.perf_counter()
-        if self.snapshots is not None:  # raw logits, before any mask or penalty
-            self.snapshots.add_logits([st.request_id for st in samplers], logits)
-        self.structured.mask_logits(logits, samplers)
-        ids, logprobs = self.sampler(logits, samplers)
-        ids = tp_broadcast_ids(ids)
-        self.structured.accept(samplers, ids)
-        for st, t in zip(samplers, ids):
-            st.token_ids.append(t)
+        n = len(samplers)
+        ids: list[int] = []
+        logprobs = None
+        if samplers:
+            head = logits[:n]
+            if self.snapshots is not None:  # raw logits, before any mask or penalty
+                self.snapshots.add_logits([st.request_id for st in samplers], head)
+            self.structured.mask_logits(head, samplers)
+            ids, logprobs = self.sampler(head, samplers)
+            ids = tp_broadcast_ids(ids)
+            self.structured.accept(samplers, ids)
+            for st, t in zip(samplers, ids):
+                st.token_ids.append(t)
+        counts: list[int] = []
+        if verify:
+            drafts = [plan.draft_token_ids[st.request_id] for st in verify]
+            width = max(len(d) for d in drafts) + 1
+            out = tp_broadcast_ragged(self.sampler.verify(logits[n:], verify, drafts), width)
+            for st, toks in zip(verify, out):
+                st.num_computed_tokens += len(toks)  # the last known token and the accepted drafts
+                st.token_ids.extend(toks)
+                ids.extend(toks)
+                counts.append(len(toks))
+            if logprobs is not None:
+                logprobs.extend([None] * len(verify))
         return StepResult(
             step_id=plan.step_id,
-            request_ids=[st.request_id for st in samplers],
+            request_ids=[st.request_id for st in (*samplers, *verify)],
             sampled_token_ids=ids,
             logprobs=logprobs,
+            num_sampled=[1] * n + counts if verify else [],
             sample_s=time.perf_counter() - t0,
             **extra,
         )

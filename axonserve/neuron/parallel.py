@@ -124,3 +124,16 @@ def tp_broadcast_ids(ids: list[int]) -> list[int]:
     t = torch.tensor(ids, dtype=torch.long)
     _collective("broadcast", dist.broadcast, t, src=0)
     return t.tolist()
+
+
+def tp_broadcast_ragged(rows: list[list[int]], width: int) -> list[list[int]]:
+    """Rank 0's id lists of lengths only it knows (at most `width`, which every rank knows):
+    speculative decoding's accepted tokens."""
+    if TPInfo.size == 1:
+        return rows
+    t = torch.full((len(rows), width + 1), -1, dtype=torch.long)
+    for i, r in enumerate(rows):
+        t[i, 0] = len(r)
+        t[i, 1 : 1 + len(r)] = torch.tensor(r, dtype=torch.long)
+    _collective("broadcast", dist.broadcast, t, src=0)
+    return [r[1 : 1 + r[0]] for r in t.tolist()]

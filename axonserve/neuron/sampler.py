@@ -108,9 +108,11 @@ class Sampler:
             pres = torch.tensor([reqs[i].params.presence_penalty for i in pf])[:, None]
             logits[idx] -= freq * counts + pres * (counts > 0).float()
 
-    def _apply_min_tokens(self, logits: torch.Tensor, reqs: Sequence[SamplingState]) -> None:
+    def _apply_min_tokens(self, logits: torch.Tensor, reqs: Sequence[SamplingState],
+                          ahead: Sequence[int] = ()) -> None:
+        """ahead[i]: tokens row i's position lies beyond the request's known ones (drafts)."""
         for i, r in enumerate(reqs):
-            if len(r.token_ids) - r.num_prompt_tokens < r.params.min_tokens:
+            if len(r.token_ids) - r.num_prompt_tokens + (ahead[i] if ahead else 0) < r.params.min_tokens:
                 banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else self.eos_token_ids)
                 if banned:
                     row = logits[i].clone()
@@ -119,6 +121,18 @@ class Sampler:
                         logits[i] = row
 
     def _random(self, logits: torch.Tensor, reqs: list[SamplingState]) -> torch.Tensor:
+        return self._race(self._probs(logits, reqs), reqs)
+
+    def _race(self, probs: torch.Tensor, reqs: Sequence[SamplingState]) -> torch.Tensor:
+        """One draw per row from `probs` (exponential race, each request's own generator)."""
+        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, r in enumerate(reqs):
+            if r.generator is not None:
+                q[i].exponential_(generator=r.generator)
+        return (probs / q).argmax(dim=-1)
+
+    def _probs(self, logits: torch.Tensor, reqs: Sequence[SamplingState]) -> torch.Tensor:
+        """The distribution a random request samples from: temperature, min_p, top-k/top-p."""
         temp = torch.tensor([r.params.temperature for r in reqs])[:, None]
         logits = logits / temp
         min_p = torch.tensor([r.params.min_p for r in reqs])[:, None]
@@ -130,12 +144,56 @@ class Sampler:
         top_p = torch.tensor([r.params.top_p for r in reqs])
         if (top_k < logits.shape[1]).any() or (top_p < 1.0).any():
             logits = _top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(dim=-1)
-        q = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, r in enumerate(reqs):
-            if r.generator is not None:
-                q[i].exponential_(generator=r.generator)
-        return (probs / q).argmax(dim=-1)
+        return logits.softmax(dim=-1)
+
+    def verify(self, logits: torch.Tensor, reqs: Sequence[SamplingState], drafts: list[list[int]]) -> list[list[int]]:
+        """Speculative decoding: request i owns len(drafts[i]) + 1 consecutive rows of `logits`
+        (the positions of its last known token and of each draft). Returns the accepted drafts
+        plus one sampled token per request.
+
+        Greedy: a draft is accepted while it equals the argmax. Random (Leviathan et al. 2023,
+        with a deterministic proposer, i.e. q one-hot on the draft): draft x is accepted with
+        probability p(x); the first rejection samples from p with x removed, renormalized; if
+        every draft is accepted a bonus token is drawn from the last row. The output then has
+        exactly the target distribution. min_tokens is applied per position; callers pass only
+        requests whose sampling has no other dependence on the tokens before it in the step
+        (engine/spec.py `eligible`)."""
+        logits = logits.float().clone()
+        rows = [r for r, d in zip(reqs, drafts) for _ in range(len(d) + 1)]
+        self._apply_bias(logits, rows)
+        self._apply_min_tokens(logits, rows, [j for d in drafts for j in range(len(d) + 1)])
+        greedy_ids = logits.argmax(dim=-1).tolist()
+        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        probs = {}
+        if rand:
+            idx = torch.tensor(rand)
+            probs = dict(zip(rand, self._probs(logits[idx], [rows[i] for i in rand])))
+        out, at = [], 0
+        for r, d in zip(reqs, drafts):
+            toks: list[int] = []
+            for j in range(len(d) + 1):
+                row = at + j
+                if r.params.greedy:
+                    tok = greedy_ids[row]
+                    toks.append(tok)
+                    if j == len(d) or tok != d[j]:
+                        break
+                    continue
+                p = probs[row]
+                if j == len(d):  # every draft accepted: the bonus token
+                    toks.append(int(self._race(p[None], [r])[0]))
+                    break
+                gen = r.generator if r.generator is not None else self.generator
+                if torch.rand((), generator=gen).item() < p[d[j]].item():
+                    toks.append(d[j])
+                    continue
+                residual = p.clone()
+                residual[d[j]] = 0.0
+                toks.append(int(self._race(residual[None] / residual.sum(), [r])[0]))
+                break
+            out.append(toks)
+            at += len(d) + 1
+        return out
 
     def _logprobs(
         self, raw_lp: torch.Tensor, ids: torch.Tensor, reqs: Sequence[SamplingState]

@@ -221,6 +221,11 @@ class EngineStats(_Msg, tag=13):
     # with phase "decode" (query_len 1) or "prefill"; empty when bucketing is off
     num_shapes: int = 0
     shapes: list[tuple[str, int, int, int]] = []
+    # speculative decoding totals (vLLM's spec_decode counters)
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class EngineDead(_Msg, tag=12):
@@ -261,6 +266,10 @@ class StepPlan(_Msg, tag=20):
     cached: list[CachedRequestData] = []
     num_scheduled_tokens: list[int] = []
     finished_request_ids: list[str] = []  # finished, aborted or preempted: drop state
+    # speculative decoding: draft tokens to verify, by request id. They are the last
+    # len(drafts) of the request's scheduled tokens (not yet in its known tokens).
+    draft_token_ids: dict[str, list[int]] = {}
+    want_features: bool = False  # EAGLE: rank 0 returns the hidden states of verified positions
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -287,6 +296,42 @@ class StepResult(_Msg, tag=21):
     # pooling requests finished this step and their vectors: a [len, dim] float32 extra frame
     pooled_request_ids: list[str] = []
     pooled: TensorRef | None = None
+    # speculative decoding: tokens per request in request_ids (accepted drafts + one sampled);
+    # empty means one each
+    num_sampled: list[int] = []
+    # plan.want_features: hidden states [sum(feature_counts), H] of the positions that became
+    # valid this step (prompt chunks, verified tokens), in feature_request_ids order, starting
+    # at each request's feature_starts position
+    feature_request_ids: list[str] = []
+    feature_starts: list[int] = []
+    feature_counts: list[int] = []
+    features: TensorRef | None = None
+
+
+class DraftRequest(_Msg, tag=22):
+    """Scheduler -> drafter (EAGLE), after each step: request i's `counts[i]` new valid
+    positions from `starts[i]`, their target hidden states (rows of the `features` frame, in
+    order) and the token following each position (`tokens`, flat); `num_drafts[i]` wanted (0:
+    only extend the head's KV). The drafter drops the state of `finished_request_ids`."""
+
+    step_id: int
+    request_ids: list[str] = []
+    starts: list[int] = []
+    counts: list[int] = []
+    tokens: list[int] = []
+    num_drafts: list[int] = []
+    features: TensorRef | None = None
+    finished_request_ids: list[str] = []
+
+
+class DraftResult(_Msg, tag=23):
+    """Drafter -> scheduler: draft token ids per request of the DraftRequest with k > 0."""
+
+    step_id: int
+    request_ids: list[str] = []
+    draft_token_ids: list[list[int]] = []
+    propose_s: float = 0.0
+    error: str | None = None
 
 
 # --------------------------------------------------------------------------- control plane
@@ -351,6 +396,11 @@ class StepStats(_Msg, tag=40):
     dropped: int = 0  # earlier stats events this publisher dropped
     send_s: float = 0.0  # plan encoded and published to the workers
     return_s: float = 0.0  # rest of the round trip: plan/result transit, worker bookkeeping
+    # speculative decoding (deltas): verifications, drafted and accepted tokens, accepted by position
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class RequestStats(_Msg, tag=41):

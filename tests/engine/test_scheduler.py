@@ -375,3 +375,59 @@ def test_chunking_off_still_resumes_a_request_grown_past_the_budget():
     outs, finish, plans = drive(s, w)
     assert any(n.num_computed_tokens == 0 and len(n.token_ids) > 8 for p in plans for n in p.new)
     assert all(outs.get(r) == list(range(20, 30)) and finish.get(r) == "length" for r in "ab"), outs
+
+
+# ---------------------------------------------------------------- speculative decoding
+
+
+def test_spec_drafts_roll_back_across_a_block_boundary():
+    """Drafts crossing into a new block, one accepted: the computed count moves back over the
+    rejected positions, only blocks of verified tokens reach the prefix cache, and the next
+    token is computed in the first rejected slot (the vllm-neuron slot-accounting defect)."""
+    from axonserve.config import SpeculativeConfig
+
+    s = make(block_size=4, speculative=SpeculativeConfig(method="ngram", disable_by_batch_size=0))
+    r = req("a", 6)  # prompt 10..15
+    s.add(r)
+    plan = s.schedule()
+    assert plan.num_scheduled_tokens == [6] and not plan.draft_token_ids
+    s.update(StepResult(plan.step_id, ["a"], [40]))  # 7 known, 6 computed
+    r.spec_token_ids = [41, 42, 43]  # positions 7, 8, 9: into block 2
+    plan = s.schedule()
+    assert plan.num_scheduled_tokens == [4] and plan.draft_token_ids == {"a": [41, 42, 43]}
+    assert len(r.block_ids) == 3 and plan.cached[0].new_block_ids == r.block_ids[2:]
+    deltas = s.update(StepResult(plan.step_id, ["a"], [41, 50], num_sampled=[2]))  # 41 accepted, 42 rejected
+    assert deltas[0].new_token_ids == [41, 50]
+    assert r.token_ids[6:] == [40, 41, 50] and r.num_computed_tokens == 8
+    assert r.num_cached_blocks == 2  # positions 0..7 verified; block 2 held rejected drafts
+    assert s.spec.counters() == (1, 3, 1, [1, 0, 0])
+    plan = s.schedule()  # token 50 at position 8: block 2's first slot, no new block
+    assert plan.num_scheduled_tokens == [1] and plan.cached[0].new_block_ids == [] and not plan.draft_token_ids
+
+
+def test_spec_accepted_tokens_stop_at_eos_and_drafts_stop_at_max_tokens():
+    from axonserve.config import SpeculativeConfig
+
+    s = make(block_size=4, speculative=SpeculativeConfig(method="ngram", disable_by_batch_size=0))
+    r = req("a", 4, max_tokens=5)
+    s.add(r)
+    plan = s.schedule()
+    s.update(StepResult(plan.step_id, ["a"], [40]))
+    assert s.spec.candidates(s.running) == [(r, 3)]
+    r.spec_token_ids = [41, EOS, 43]
+    plan = s.schedule()
+    deltas = s.update(StepResult(plan.step_id, ["a"], [41, EOS, 43, 44], num_sampled=[4]))
+    assert deltas[0].new_token_ids == [41, EOS] and deltas[0].finish_reason == "stop"
+    r2 = req("b", 4, max_tokens=3)
+    s.add(r2)
+    plan = s.schedule()
+    s.update(StepResult(plan.step_id, ["b"], [40]))
+    assert s.spec.candidates(s.running) == [(r2, 1)]  # 1 output, 2 to go: one draft + the bonus
+
+
+def test_ngram_propose_takes_the_longest_most_recent_match():
+    from axonserve.engine.spec import ngram_propose
+
+    assert ngram_propose([1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3], 2, 1, 3) == [8, 5]  # latest "1 2 3"
+    assert ngram_propose([4, 7, 1, 2, 5, 2], 3, 1, 3) == [5, 2]  # only "2" matches; continuation ends
+    assert ngram_propose([1, 2, 3], 3, 1, 3) == []

@@ -115,3 +115,57 @@ def test_logprobs_are_raw_log_softmax():
     assert lps[0].top_ids == top.indices.tolist()
     torch.testing.assert_close(torch.tensor(lps[0].top_logprobs), top.values)
     assert lps[2].top_ids == []
+
+
+# ---------------------------------------------------------------- speculative verification
+
+
+def test_verify_greedy_accepts_the_matching_prefix_then_samples():
+    lg = logits(4, seed=3)
+    top = lg.argmax(-1).tolist()
+    s = Sampler([0])
+    wrong = (top[1] + 1) % V
+    # request 1: first draft right, second wrong -> 1 accepted + the target's token there
+    # request 2: both drafts right -> 2 accepted + a bonus token from the last row
+    out = s.verify(torch.cat([lg[:3], lg[:3]]), [st(temperature=0.0), st(temperature=0.0)],
+                   [[top[0], wrong], [top[0], top[1]]])
+    assert out == [[top[0], top[1]], [top[0], top[1], top[2]]]
+
+
+def test_verify_applies_min_tokens_per_position():
+    lg = torch.zeros(3, V)
+    lg[:, 0] = 10.0  # EOS (id 0) is every row's argmax
+    # one output already, min_tokens 3: rows 0 and 1 (outputs 1 and 2) may not end, row 2 may
+    out = Sampler([0]).verify(lg, [st(out=(9,), temperature=0.0, min_tokens=3)], [[0, 7]])
+    assert out[0][0] != 0 and len(out[0]) == 1  # EOS banned at row 0, so the draft 0 is rejected
+    lg2 = lg.clone()
+    lg2[0, 5] = 20.0
+    lg2[1, 7] = 20.0
+    assert Sampler([0]).verify(lg2, [st(out=(9,), temperature=0.0, min_tokens=3)], [[5, 7]]) == [[5, 7, 0]]
+
+
+def test_verify_keeps_the_target_distribution():
+    """Rejection sampling with fixed drafts: token 1 ~ p0; token 2 given draft 1 accepted ~ p1;
+    token 3 given both accepted ~ p2 (chi-square, 20,000 requests in one call)."""
+    from collections import Counter
+
+    from conftest import chi2, chi2_critical
+
+    v, n, temp = 8, 20000, 0.9
+    lg = torch.randn(3, v, generator=torch.Generator().manual_seed(4)) * 1.5
+    p = (lg / temp).softmax(-1)
+    drafts = [int(p[0].argsort()[-2]), int(p[1].argmax())]  # a likely-but-not-top draft, then the top one
+    reqs = [st(temperature=temp) for _ in range(n)]
+    out = Sampler([0], seed=1).verify(lg.repeat(n, 1), reqs, [drafts] * n)
+    checks = [
+        (Counter(o[0] for o in out), p[0]),
+        (Counter(o[1] for o in out if o[0] == drafts[0] and len(o) > 1), p[1]),
+        (Counter(o[2] for o in out if o[:2] == drafts and len(o) > 2), p[2]),
+    ]
+    for obs, probs in checks:
+        m = sum(obs.values())
+        assert m > 1000
+        stat, df = chi2(obs, dict(enumerate(probs.tolist())), m)
+        assert stat < chi2_critical(df), (stat, df, obs, probs)
+    # every rejected draft position holds a token other than the draft
+    assert all(o[0] != drafts[0] for o in out if len(o) == 1)
