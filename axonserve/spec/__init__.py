@@ -1,0 +1,1 @@
+"""Speculative decoding: the EAGLE draft head and its trainer."""

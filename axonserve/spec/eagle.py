@@ -1,0 +1,331 @@
+"""EAGLE-1 draft head: one Llama decoder layer that extrapolates the target's features.
+
+At position t the head reads `fc(cat(embed(tok_{t+1}), f_t))`, where f_t is the target's
+post-final-norm hidden state (what `LlamaForCausalLM.forward` returns) and tok_{t+1} the token
+that followed it, runs one decoder layer (RMSNorm, GQA attention with RoPE at absolute position
+t, SwiGLU) and outputs f̂_{t+1}. Draft logits are the target's lm_head applied to f̂ but only
+over a reduced draft vocabulary (EAGLE-3): a full 49k-row lm_head was 77% of a draft step.
+
+The head directory holds only fc + the layer + the draft->target id map + the config: the
+embedding and lm_head rows are the target's, frozen, read from the target's safetensors.
+Parameter names follow HF Llama (q_proj, gate_proj, ...) so a target layer can seed the head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from axonserve.neuron.config import ModelConfig
+from axonserve.neuron.layers.rotary import RotaryEmbedding, apply_rotary
+from axonserve.neuron.loader import safetensors_files
+
+log = structlog.get_logger()
+
+CONFIG_NAME = "eagle_config.json"
+WEIGHTS_NAME = "model.safetensors"
+D2T_NAME = "d2t"  # draft id -> target id map, saved next to the weights
+
+
+@dataclass
+class EagleConfig:
+    """Dimensions of the head (the target's) plus its draft vocabulary; saved as eagle_config.json."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    draft_vocab_size: int
+    target_vocab_size: int
+    target_model: str = ""  # the target it was trained for (name or path), informative
+    target_tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_target(cls, mc: ModelConfig, draft_vocab_size: int, target_model: str = "") -> "EagleConfig":
+        return cls(
+            hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size, num_heads=mc.num_heads,
+            num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, rms_norm_eps=mc.rms_norm_eps,
+            rope_theta=mc.rope_theta, rope_scaling=mc.rope_scaling,
+            max_position_embeddings=mc.max_position_embeddings,
+            draft_vocab_size=min(draft_vocab_size, mc.vocab_size), target_vocab_size=mc.vocab_size,
+            target_model=target_model, target_tie_word_embeddings=mc.tie_word_embeddings,
+        )
+
+    def save(self, head_dir: str) -> None:
+        with open(os.path.join(head_dir, CONFIG_NAME), "w") as f:
+            json.dump(dataclasses.asdict(self), f, indent=2)
+
+    @classmethod
+    def load(cls, head_dir: str) -> "EagleConfig":
+        with open(os.path.join(head_dir, CONFIG_NAME)) as f:
+            return cls(**json.load(f))
+
+
+def read_target_tensors(target_dir: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """Only the named tensors from the target's safetensors files (the target is never loaded whole)."""
+    out: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(target_dir):
+        with safe_open(path, framework="pt") as h:
+            for name in set(names) & set(h.keys()):
+                out[name] = h.get_tensor(name)
+    missing = set(names) - set(out)
+    if missing:
+        raise ValueError(f"{target_dir}: target checkpoint lacks {sorted(missing)}")
+    return out
+
+
+def target_vocab_tensors(target_dir: str, tied: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embedding [V, H], lm_head [V, H]) of the target; one tensor when the target ties them."""
+    names = ["model.embed_tokens.weight"] + ([] if tied else ["lm_head.weight"])
+    t = read_target_tensors(target_dir, names)
+    emb = t["model.embed_tokens.weight"]
+    return emb, emb if tied else t["lm_head.weight"]
+
+
+class EagleLayer(nn.Module):
+    """One Llama decoder layer over a padded [B, T] batch, attending to a dense per-batch KV buffer."""
+
+    def __init__(self, cfg: EagleConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.eps = cfg.rms_norm_eps
+        self.input_layernorm = nn.Parameter(torch.ones(h))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(h))
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return w * F.rms_norm(x.float(), w.shape, None, self.eps).to(x.dtype)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, T, H] -> q [B, Hq, T, D], k/v [B, Hkv, T, D] with RoPE applied (cos/sin [B, T, 1, D])."""
+        b, t, _ = x.shape
+        hx = self._norm(x, self.input_layernorm)
+        q = apply_rotary(self.q_proj(hx).view(b, t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(self.k_proj(hx).view(b, t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(hx).view(b, t, self.num_kv_heads, self.head_dim)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def finish(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention of q over keys k/v ([B, Hkv, S, D], mask [B|1, 1, T, S] bool), residuals, SwiGLU."""
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+        x = x + self.o_proj(o.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+        hx = self._norm(x, self.post_attention_layernorm)
+        return x + self.down_proj(F.silu(self.gate_proj(hx)) * self.up_proj(hx))
+
+
+class EagleHead(nn.Module):
+    """fc + one decoder layer; frozen target embedding and draft-vocab lm_head rows as buffers."""
+
+    def __init__(self, cfg: EagleConfig, embed: torch.Tensor, lm_head: torch.Tensor, d2t: torch.Tensor):
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.layer = EagleLayer(cfg)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                                      torch.float32)
+        if d2t.shape != (cfg.draft_vocab_size,):
+            raise ValueError(f"d2t has shape {tuple(d2t.shape)}, config says {cfg.draft_vocab_size} draft tokens")
+        self.register_buffer("d2t", d2t.long(), persistent=False)
+        self.register_buffer("embed", embed, persistent=False)  # [V, H], frozen target rows
+        self.register_buffer("lm_head", lm_head[d2t].contiguous(), persistent=False)  # [N, H] draft rows only
+
+    # ----------------------------------------------------------------- construction / io
+
+    @classmethod
+    def from_target(cls, target_dir: str, d2t: torch.Tensor, target_model: str = "",
+                    dtype: torch.dtype = torch.float32) -> "EagleHead":
+        """A fresh (randomly initialised) head for the target in target_dir, with the given draft vocab."""
+        mc = ModelConfig.from_dir(target_dir)
+        cfg = EagleConfig.from_target(mc, len(d2t), target_model or target_dir)
+        emb, lm = target_vocab_tensors(target_dir, mc.tie_word_embeddings)
+        return cls(cfg, emb.to(dtype), lm.to(dtype), d2t).to(dtype)
+
+    @classmethod
+    def from_pretrained(cls, head_dir: str, target_dir: str, dtype: torch.dtype = torch.float32) -> "EagleHead":
+        cfg = EagleConfig.load(head_dir)
+        mc = ModelConfig.from_dir(target_dir)
+        if (mc.hidden_size, mc.vocab_size) != (cfg.hidden_size, cfg.target_vocab_size):
+            raise ValueError(f"head in {head_dir} was made for hidden {cfg.hidden_size} / vocab "
+                             f"{cfg.target_vocab_size}, target {target_dir} has {mc.hidden_size} / {mc.vocab_size}")
+        with safe_open(os.path.join(head_dir, WEIGHTS_NAME), framework="pt") as h:
+            state = {k: h.get_tensor(k) for k in h.keys()}
+        d2t = state.pop(D2T_NAME)
+        emb, lm = target_vocab_tensors(target_dir, mc.tie_word_embeddings)
+        head = cls(cfg, emb.to(dtype), lm.to(dtype), d2t).to(dtype)
+        head.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
+        log.info("eagle.loaded", head_dir=head_dir, draft_vocab=cfg.draft_vocab_size, dtype=str(dtype))
+        return head.eval().requires_grad_(False)
+
+    def save_pretrained(self, head_dir: str, dtype: torch.dtype | None = None) -> None:
+        """fc + layer weights (in `dtype`, default the head's) and the id map; never the target's rows."""
+        os.makedirs(head_dir, exist_ok=True)
+        state = {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in self.state_dict().items()}
+        state[D2T_NAME] = self.d2t.cpu().contiguous()
+        save_file(state, os.path.join(head_dir, WEIGHTS_NAME))
+        self.config.save(head_dir)
+
+    def init_from_target_layer(self, target_dir: str, index: int = -1) -> None:
+        """Seed the decoder layer with one of the target's layers (HF tensor names)."""
+        mc = ModelConfig.from_dir(target_dir)
+        i = index % mc.num_layers
+        names = {f"model.layers.{i}.{n}.weight": n for n in (
+            "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+            "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+        t = read_target_tensors(target_dir, list(names))
+        with torch.no_grad():
+            for full, short in names.items():
+                attr = short.split(".")[-1]
+                p = getattr(self.layer, attr)
+                (p if isinstance(p, nn.Parameter) else p.weight).copy_(t[full])
+
+    # ----------------------------------------------------------------- compute
+
+    def inputs(self, feats: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """fc(cat(embed(tok_{t+1}), f_t)): [..., H]."""
+        return self.fc(torch.cat((self.embed[tokens], feats.to(self.embed.dtype)), dim=-1))
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, T, 1, D] for positions [B, T] (clamped: padding rows may run past the table)."""
+        cos, sin = self.rotary(positions.clamp(0, self.rotary.cos.shape[0] - 1).reshape(-1))
+        shape = (*positions.shape, 1, self.config.head_dim)
+        dt = self.fc.weight.dtype
+        return cos.view(shape).to(dt), sin.view(shape).to(dt)
+
+    def forward(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                return_kv: bool = False):
+        """Full causal recompute over whole sequences: feats [B, T, H], tokens [B, T] -> f̂ [B, T, H]
+        (row t predicts the feature at position t+1). The training path and the reference."""
+        b, t = tokens.shape
+        if positions is None:
+            positions = torch.arange(t).expand(b, t)
+        x = self.inputs(feats, tokens)
+        q, k, v = self.layer.qkv(x, *self.rope(positions))
+        out = self.layer.finish(x, q, k, v, None)
+        return (out, k, v) if return_kv else out
+
+    def draft_logits(self, feats: torch.Tensor) -> torch.Tensor:
+        """[..., N] logits over the draft vocabulary."""
+        return feats @ self.lm_head.T
+
+
+class DraftKV:
+    """One request's head KV cache: dense K/V [Hkv, capacity, D], positions 0..length-1 valid."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32, capacity: int = 256):
+        self.k = torch.zeros(num_kv_heads, capacity, head_dim, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
+
+    @classmethod
+    def for_head(cls, head: EagleHead, capacity: int = 256) -> "DraftKV":
+        c = head.config
+        return cls(c.num_kv_heads, c.head_dim, head.fc.weight.dtype, capacity)
+
+    def crop(self, n: int) -> None:
+        """Forget positions >= n (rejected speculative positions)."""
+        self.length = min(self.length, max(0, n))
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Set positions start..start+L-1 (k, v [Hkv, L, D]) and crop after them; grows by doubling."""
+        if start > self.length:
+            raise ValueError(f"write at {start} leaves a gap after {self.length} cached positions")
+        end = start + k.shape[1]
+        if end > self.k.shape[1]:
+            cap = max(end, 2 * self.k.shape[1])
+            nk = torch.zeros(self.k.shape[0], cap, self.k.shape[2], dtype=self.k.dtype)
+            nv = torch.zeros_like(nk)
+            nk[:, :start], nv[:, :start] = self.k[:, :start], self.v[:, :start]
+            self.k, self.v = nk, nv
+        self.k[:, start:end] = k
+        self.v[:, start:end] = v
+        self.length = end
+
+
+@torch.inference_mode()
+def propose(head: EagleHead, kvs: list[DraftKV], starts: list[int], tokens: list[torch.Tensor],
+            feats: list[torch.Tensor], k: int) -> list[list[int]]:
+    """k greedy draft tokens (target ids) per request, batched over requests.
+
+    Request i: crop kvs[i] to starts[i], append its n_i new (feature, following token) pairs at
+    positions starts[i]..starts[i]+n_i-1 (one padded catch-up pass for the batch), then k-1
+    single-token steps feeding each predicted feature back with its drafted token. One dense
+    KV buffer [B, Hkv, W, D] indexed by absolute position serves the whole call; a query at
+    position p attends keys 0..p, so padding rows never reach a valid row.
+    """
+    b = len(kvs)
+    if not (b == len(starts) == len(tokens) == len(feats)):
+        raise ValueError("kvs, starts, tokens and feats must have one entry per request")
+    if k < 1 or b == 0:
+        return [[] for _ in range(b)]
+    cfg, dt = head.config, head.fc.weight.dtype
+    n = [int(t.shape[0]) for t in tokens]
+    for i, kv in enumerate(kvs):
+        if starts[i] > kv.length:
+            raise ValueError(f"request {i}: start {starts[i]} is past its {kv.length} cached draft positions")
+        if n[i] < 1 or feats[i].shape[0] != n[i]:
+            raise ValueError(f"request {i}: needs n >= 1 tokens and as many features ({n[i]} vs {feats[i].shape[0]})")
+        kv.crop(starts[i])
+    nmax = max(n)
+    width = max(starts) + nmax + k - 1
+    kbuf = torch.zeros(b, cfg.num_kv_heads, width, cfg.head_dim, dtype=dt)
+    vbuf = torch.zeros_like(kbuf)
+    for i, kv in enumerate(kvs):
+        kbuf[i, :, : starts[i]] = kv.k[:, : starts[i]]
+        vbuf[i, :, : starts[i]] = kv.v[:, : starts[i]]
+    start_t = torch.tensor(starts)
+    n_t = torch.tensor(n)
+    tok = torch.zeros(b, nmax, dtype=torch.long)
+    fin = torch.zeros(b, nmax, cfg.hidden_size, dtype=dt)
+    for i in range(b):
+        tok[i, : n[i]] = tokens[i]
+        fin[i, : n[i]] = feats[i].to(dt)
+    rows = torch.arange(b)
+    key_pos = torch.arange(width)
+
+    def step(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        q, kk, vv = head.layer.qkv(x, *head.rope(pos))
+        kbuf[rows[:, None], :, pos] = kk.transpose(1, 2)  # [B, T, Hkv, D] into positions pos
+        vbuf[rows[:, None], :, pos] = vv.transpose(1, 2)
+        mask = (key_pos[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, W]
+        return head.layer.finish(x, q, kbuf, vbuf, mask)
+
+    pos = start_t[:, None] + torch.arange(nmax)[None, :]  # padding rows land below width: max(starts)+nmax-1
+    out = step(head.inputs(fin, tok), pos)
+    last = out[rows, n_t - 1]  # [B, H]: f̂ at each request's first speculative position
+    cur = start_t + n_t - 1  # position of the last input
+    drafts = []
+    for j in range(k):
+        d = head.d2t[head.draft_logits(last).argmax(dim=-1)]
+        drafts.append(d)
+        if j == k - 1:
+            break
+        cur = cur + 1
+        last = step(head.inputs(last[:, None], d[:, None]), cur[:, None])[:, 0]
+    end = (start_t + n_t + k - 1).tolist()  # positions written: through the last draft step's input
+    for i, kv in enumerate(kvs):
+        kv.write(starts[i], kbuf[i, :, starts[i] : end[i]], vbuf[i, :, starts[i] : end[i]])
+    return torch.stack(drafts, dim=1).tolist()
