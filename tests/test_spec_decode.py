@@ -67,20 +67,24 @@ CASES = {
 }
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", list(CASES))
-async def test_greedy_identical_with_ngram_drafts(tiny_llama_dir, reference, case):
-    kw = dict(num_kv_blocks=400, block_size=4, log_level="warning", speculative=NGRAM) | CASES[case]
-    sup, client = await _engine(EngineConfig(model=tiny_llama_dir, **kw))
+async def _run_workload(config: EngineConfig):
+    sup, client = await _engine(config)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=N_NEW, min_tokens=N_NEW)
         prompts = workload()
         got = [await _collect(client, prompts[0], params)]  # alone first: fills the prefix cache
         got += await asyncio.wait_for(asyncio.gather(*(_collect(client, p, params) for p in prompts[1:])), 240)
-        stats = await client.get_stats()
+        return got, await client.get_stats()
     finally:
         client.close()
         await sup.stop("test done")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", list(CASES))
+async def test_greedy_identical_with_ngram_drafts(tiny_llama_dir, reference, case):
+    kw = dict(num_kv_blocks=400, block_size=4, log_level="warning", speculative=NGRAM) | CASES[case]
+    got, stats = await _run_workload(EngineConfig(model=tiny_llama_dir, **kw))
     assert got == reference
     # drafts were verified, some accepted and some rejected (both paths ran), 3 positions seen
     assert stats.spec_accepted_tokens > 0, stats
@@ -88,6 +92,31 @@ async def test_greedy_identical_with_ngram_drafts(tiny_llama_dir, reference, cas
     assert len(stats.spec_accepted_per_pos) == 3 and sum(stats.spec_accepted_per_pos) == stats.spec_accepted_tokens
     if "preemption" in case:
         assert stats.num_preemptions > 0, stats
+
+
+@pytest.fixture(scope="module")
+def eagle_head_dir(tmp_path_factory, tiny_llama_dir) -> str:
+    """An untrained EAGLE head for the tiny Llama (every 16th token as its draft vocabulary)."""
+    import torch
+    from axonserve.spec.eagle import EagleHead
+
+    torch.manual_seed(0)
+    out = str(tmp_path_factory.mktemp("eagle-head"))
+    EagleHead.from_target(tiny_llama_dir, torch.arange(0, 49152, 16)).save_pretrained(out)
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["mixed_chunked", "tiny_pool_preemption"])
+async def test_greedy_identical_with_the_eagle_drafter_actor(tiny_llama_dir, reference, eagle_head_dir, case):
+    """The drafter process gets every step's hidden states and proposes for every decoding
+    request (acceptance floor 0, so an untrained head keeps drafting): outputs unchanged."""
+    spec = SpeculativeConfig(method="eagle", model=eagle_head_dir, disable_by_batch_size=0, min_acceptance_rate=0.0)
+    kw = dict(num_kv_blocks=400, block_size=4, log_level="warning", speculative=spec) | CASES[case]
+    got, stats = await _run_workload(EngineConfig(model=tiny_llama_dir, **kw))
+    assert got == reference
+    # the decode steps verified drafts: 7 requests x N_NEW tokens, at most 4 tokens a step
+    assert stats.spec_drafts >= 7 * N_NEW / 4, stats
 
 
 @pytest.fixture(scope="module")

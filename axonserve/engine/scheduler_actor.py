@@ -27,6 +27,8 @@ from axonserve.protocol import ClientToEngine, Codec, DecodeError, TensorRef
 from axonserve.protocol.messages import (
     AbortRequest,
     AddRequest,
+    DraftRequest,
+    DraftResult,
     EngineDead,
     EngineInfo,
     EngineStats,
@@ -48,6 +50,7 @@ from axonserve.protocol.messages import (
 
 _client_codec = Codec(ClientToEngine)
 _result_codec = Codec(WorkerReply)
+_draft_codec = Codec(DraftResult)
 PROFILE_TIMEOUT_S = 120.0  # stopping writes every rank's trace
 
 
@@ -65,6 +68,10 @@ class SchedulerActor(Actor):
         self.pub.setsockopt(zmq.LINGER, 2000)
         self.pub.bind(a.plan)
         self.pull = self.socket(zmq.PULL, a.result, bind=True)
+        self.result_frames: list = []  # the last step result's frames (tensor frames forwarded as they are)
+        self._drafted: set[str] = set()  # requests the drafter holds state for
+        spec = self.config.speculative
+        self.drafter = self.socket(zmq.DEALER, a.drafter) if spec and spec.method == "eagle" else None
         info = await asyncio.wait_for(self.configured, self.config.ready_timeout_s)
         await self._wait_subscribers(self.config.num_workers)
         max_len = int(info["max_model_len"])
@@ -241,14 +248,63 @@ class SchedulerActor(Actor):
             deltas = self.sched.update(result)
             if deltas:
                 await self._send_deltas(deltas, self.pooled_rows)
-            self._propose()
+            if self.sched.spec is not None and not await self._propose(result):
+                return
             self._publish_step(plan, result, t1 - t0, t2 - t1, time.perf_counter() - t2, t_sent - t1)
 
-    def _propose(self) -> None:
-        """Draft tokens for the next step's verification (speculative decoding)."""
+    async def _propose(self, result: StepResult) -> bool:
+        """Draft tokens for the next step's verification; False: the drafter failed."""
         spec = self.sched.spec
-        if spec is not None and spec.cfg.method == "ngram":
-            spec.ngram(spec.candidates(self.sched.running))
+        assert spec is not None
+        want = spec.candidates(self.sched.running)
+        if spec.cfg.method == "ngram":
+            spec.ngram(want)
+            return True
+        msg = self._draft_request(result, {r.request_id: k for r, k in want})
+        if not msg.request_ids and not msg.finished_request_ids:
+            return True
+        frames = [self.result_frames[result.features.index]] if msg.request_ids and result.features else []
+        await self.drafter.send_multipart(Codec.encode(msg, frames), copy=False)
+        reply = await self._recv(self.drafter, _draft_codec, f"drafts for step {result.step_id}",
+                                 self.config.step_timeout_s)
+        if reply is None:
+            return False
+        if reply.error or reply.step_id != msg.step_id:
+            await self._fail(f"drafter: {reply.error or 'reply out of order'}")
+            return False
+        for rid, drafts in zip(reply.request_ids, reply.draft_token_ids):
+            req = self.sched.requests.get(rid)
+            if req is not None and req.status == Status.RUNNING:
+                req.spec_token_ids = drafts
+        return True
+
+    def _draft_request(self, result: StepResult, want: dict[str, int]) -> DraftRequest:
+        """What became valid this step, for the drafter (EAGLE): live requests' feature rows
+        with the token after each position; requests it knows that have ended."""
+        msg = DraftRequest(result.step_id)
+        tokens: list[int] = []
+        at = 0
+        for rid, c, m in zip(result.feature_request_ids, result.feature_starts, result.feature_counts):
+            req = self.sched.requests.get(rid)
+            follow = req.token_ids[c + 1 : c + 1 + m] if req is not None and req.status == Status.RUNNING else []
+            if len(follow) == m:
+                msg.request_ids.append(rid)
+                msg.starts.append(c)
+                msg.counts.append(m)
+                msg.offsets.append(at)
+                msg.num_drafts.append(want.get(rid, 0))
+                self._drafted.add(rid)
+                tokens += follow
+            else:  # ended this step
+                tokens += [0] * m
+            at += m
+        msg.tokens = tokens
+        if msg.request_ids:
+            msg.features = TensorRef(1, result.features.dtype, result.features.shape)
+        gone = [rid for rid in self._drafted if rid not in self.sched.requests]
+        self._drafted.difference_update(gone)
+        msg.finished_request_ids = gone
+        return msg
 
     def _log_preempted(self, plan: StepPlan) -> None:
         """Requests whose worker state this plan drops while they wait again were preempted."""
@@ -302,24 +358,38 @@ class SchedulerActor(Actor):
 
     async def _await_reply(self, what: str, timeout: float) -> StepResult | ProfileAck | None:
         """Rank 0's next reply; None (engine failed) on timeout, death or junk."""
-        recv = asyncio.ensure_future(self.pull.recv_multipart(copy=False))
+        reply = await self._recv(self.pull, _result_codec, what, timeout)
+        if isinstance(reply, StepResult):
+            try:
+                self.pooled_rows = _pooled_rows(reply, self.result_frames)
+            except DecodeError as e:
+                await self._fail(f"undecodable worker reply: {e}")
+                return None
+        return reply
+
+    async def _recv(self, sock, codec: Codec, what: str, timeout: float):
+        """The next message on `sock` (its frames kept in `result_frames`); None (engine
+        failed) on timeout, death or junk."""
+        recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
         dead = asyncio.ensure_future(self._dead.wait())
         try:
             done, _ = await asyncio.wait({recv, dead}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             dead.cancel()
+        peer = "the drafter" if sock is not self.pull else "worker rank 0"
         if recv not in done:
             recv.cancel()
             if not self._dead.is_set():
-                await self._fail(f"worker rank 0 gave no reply for {what}")
+                await self._fail(f"{peer} gave no reply for {what}")
             return None
         try:
             frames = recv.result()
-            reply, _ = _result_codec.decode(frames)
-            self.pooled_rows = _pooled_rows(reply, frames) if isinstance(reply, StepResult) else {}
+            reply, _ = codec.decode(frames)
         except DecodeError as e:
-            await self._fail(f"undecodable worker reply: {e}")
+            await self._fail(f"undecodable reply from {peer}: {e}")
             return None
+        if sock is self.pull:
+            self.result_frames = frames
         return reply
 
     async def _await_result(self, plan: StepPlan) -> StepResult | None:

@@ -310,15 +310,17 @@ class StepResult(_Msg, tag=21):
 
 class DraftRequest(_Msg, tag=22):
     """Scheduler -> drafter (EAGLE), after each step: request i's `counts[i]` new valid
-    positions from `starts[i]`, their target hidden states (rows of the `features` frame, in
-    order) and the token following each position (`tokens`, flat); `num_drafts[i]` wanted (0:
-    only extend the head's KV). The drafter drops the state of `finished_request_ids`."""
+    positions from `starts[i]`: their target hidden states (rows offsets[i].. of the
+    `features` frame) and the token following each position (tokens[offsets[i]..]);
+    `num_drafts[i]` wanted (0: only extend the head's KV). The drafter drops the state of
+    `finished_request_ids`."""
 
     step_id: int
     request_ids: list[str] = []
     starts: list[int] = []
     counts: list[int] = []
-    tokens: list[int] = []
+    offsets: list[int] = []
+    tokens: list[int] = []  # aligned with the frame's rows (rows of finished requests: 0)
     num_drafts: list[int] = []
     features: TensorRef | None = None
     finished_request_ids: list[str] = []
