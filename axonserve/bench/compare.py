@@ -44,6 +44,10 @@ def build_specs(a: argparse.Namespace, model_dir: str, gguf: str | None, max_con
     want = set(a.engines.split(","))
     if "axonserve" in want:
         specs.append(axonserve_spec(a.model, shlex.split(a.axonserve_args)))
+        for v in a.variant:  # axonserve with extra flags, e.g. speculative decoding
+            name, _, flags = v.partition("=")
+            specs.append(axonserve_spec(a.model, shlex.split(a.axonserve_args) + shlex.split(flags)))
+            specs[-1].name = f"axonserve[{name}]"
     if "vllm" in want:
         venv = _peer_venv(a.vllm_venv, "vllm")
         if has_module(venv, "vllm"):
@@ -86,10 +90,43 @@ def run_server(spec: ServerSpec, work: Workload, opts: LevelOptions, tok: Any, k
             model = spec.model or discover_model(srv.base_url)
             runs = run_levels(srv.base_url, model, work, opts, tok, engine=spec.name,
                               pgids={srv.proc.pid})
-        return {"engine": spec.name, "startup_s": srv.startup_s, "note": spec.note, "runs": runs}
+            spec_stats = speculation(srv.base_url)
+        out = {"engine": spec.name, "startup_s": srv.startup_s, "note": spec.note, "runs": runs}
+        if spec_stats:
+            out["spec_decode"] = spec_stats
+            print(f"### {spec.name}: speculative decoding {spec_stats}", flush=True)
+        return out
     except Exception as e:  # one broken peer must not lose the others' numbers
         print(f"### {spec.name}: FAILED: {e}", file=sys.stderr, flush=True)
         return {"engine": spec.name, "error": str(e)[-2000:], "runs": []}
+
+
+def speculation(base_url: str) -> dict:
+    """Mean accepted length and acceptance by position from vLLM's spec_decode counters on
+    /metrics (whole run, warm-up included); {} when the server does not speculate."""
+    import httpx
+
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    totals: dict[str, float] = {}
+    per_pos: dict[int, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:spec_decode_") or "_created" in line:
+            continue
+        name, value = line.rsplit(" ", 1)
+        if "position=" in name:
+            per_pos[int(name.split('position="')[1].split('"')[0])] = float(value)
+        else:
+            totals[name.split("{")[0].removesuffix("_total")] = float(value)
+    drafts = totals.get("vllm:spec_decode_num_drafts", 0.0)
+    if not drafts:
+        return {}
+    accepted = totals.get("vllm:spec_decode_num_accepted_tokens", 0.0)
+    return {"verifications": int(drafts), "draft_tokens": int(totals.get("vllm:spec_decode_num_draft_tokens", 0)),
+            "accepted_tokens": int(accepted), "mean_accepted_length": round(1 + accepted / drafts, 3),
+            "acceptance_by_position": [round(per_pos[i] / drafts, 3) for i in sorted(per_pos)]}
 
 
 def run_transformers(model_dir: str, work: Workload, concs: list[int | None], tok: Any,
@@ -195,6 +232,9 @@ def cmd_compare(a: argparse.Namespace) -> int:
     print(f"\n## bench compare: {os.path.basename(model_dir)}, input {a.input_len} / output "
           f"{a.output_len} tokens, {a.prompt_kind} prompts, {time.monotonic() - t0:.0f} s total\n")
     print(table(engines))
+    for e in engines:
+        if e.get("spec_decode"):
+            print(f"- {e['engine']}: speculative decoding {e['spec_decode']}")
     for msg in skipped:
         print(f"- skipped {msg}")
     runs = [r for e in engines for r in e["runs"]]
@@ -213,6 +253,8 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llamacpp-venv", default=None, help=f"default: {default_dir()}/llamacpp if present")
     p.add_argument("--llama-server", default=None, help="path of a built C++ llama-server binary")
     p.add_argument("--axonserve-args", default="--dtype bfloat16", help="extra `axonserve serve` flags")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="also run axonserve with these extra flags, as engine axonserve[NAME] (repeatable)")
     p.add_argument("--vllm-args", default="", help="extra vLLM api_server flags")
     p.add_argument("--llamacpp-args", default="", help="extra llama_cpp.server flags")
     p.add_argument("--extra-body", default=None, help="JSON merged into every request body")

@@ -3,7 +3,9 @@
 Token-id prompts fix the input length exactly (our server and vLLM accept `prompt: [ids]` on
 /v1/completions). Text prompts are built from whole-word vocabulary tokens so that they
 re-tokenize to the same ids (exact length with a tokenizer, ~length without one), for servers
-that only take strings (llama-cpp-python).
+that only take strings (llama-cpp-python). Chat prompts are real instructions (the EAGLE
+trainer's held-out set) through the model's chat template: lengths vary, but they are what
+speculative decoding must be measured on (random words make any draft model look useless).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-PromptKind = Literal["tokens", "text"]
+PromptKind = Literal["tokens", "text", "chat"]
 
 _WORDS = (
     "time year people way day man thing woman life child world school state family student group "
@@ -78,11 +80,28 @@ class PromptFactory:
     def make(self, num: int, input_len: int, output_len: int, prefix_len: int = 0,
              prefix_groups: int = 1) -> list[RequestSpec]:
         """`num` prompts of `prefix_len + input_len` tokens; request i shares the prefix of group
-        i % prefix_groups (vLLM's --random-prefix-len semantics)."""
+        i % prefix_groups (vLLM's --random-prefix-len semantics). Chat: input lengths ignored."""
+        if self.kind == "chat":
+            return self._chat(num, output_len)
         prefixes = [self._ids(prefix_len) for _ in range(max(1, prefix_groups))]
         specs = []
         for i in range(num):
             ids = prefixes[i % len(prefixes)] + self._ids(input_len)
             prompt, n = self._render(ids)
             specs.append(RequestSpec(prompt, n, output_len))
+        return specs
+
+    def _chat(self, num: int, output_len: int) -> list[RequestSpec]:
+        from axonserve.spec.prompts import held_out_prompts
+
+        if self.tok is None:
+            raise ValueError("chat prompts need the model's tokenizer")
+        pool = held_out_prompts()
+        order = self.rng.permutation(len(pool))
+        specs = []
+        for i in range(num):
+            p = pool[int(order[i % len(pool)])]
+            text = (self.tok.apply_chat_template([{"role": "user", "content": p.text}], tokenize=False,
+                                                 add_generation_prompt=True) if p.chat else p.text)
+            specs.append(RequestSpec(text, len(self.tok.encode(text, add_special_tokens=False)), output_len))
         return specs

@@ -190,8 +190,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128, help="max_tokens (= min_tokens, EOS ignored)")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="requests per concurrency level (default max(4, concurrency))")
-    p.add_argument("--prompt-kind", choices=["tokens", "text"], default="tokens",
-                   help="token-id prompts (exact length) or random-word text")
+    p.add_argument("--prompt-kind", choices=["tokens", "text", "chat"], default="tokens",
+                   help="token-id prompts (exact length), random-word text, or real chat instructions")
     p.add_argument("--prefix-len", type=int, default=0, help="shared-prefix mode: common prefix tokens")
     p.add_argument("--prefix-groups", type=int, default=1, help="distinct shared prefixes")
     p.add_argument("--concurrency", default=None, help="max concurrency, comma list: 1,8,32 (inf: unbounded)")
