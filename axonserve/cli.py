@@ -234,6 +234,9 @@ def main(argv: list[str] | None = None) -> None:
 
     add_snapshot_parser(sub)
     add_validate_parser(sub)
+    from axonserve.spec.cli import add_train_eagle_parser
+
+    add_train_eagle_parser(sub)
     args = parser.parse_args(argv)
     setup_logging(getattr(args, "log_format", "console"), getattr(args, "log_level", "info"),
                   actor="launcher")

@@ -1,0 +1,151 @@
+"""Self-distillation data for a draft head: the target's own text and its own features.
+
+Text comes from axonserve's offline engine (continuous batching; greedy and temperature-0.8
+sampling mixed). Features come from a teacher-forced forward of axonserve's own Llama over
+each whole sequence through the paged-attention path the worker uses, so they are the very
+post-final-norm states the serving worker hands the drafter.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+import torch
+from tqdm import tqdm
+
+from axonserve.spec.prompts import Prompt
+
+log = structlog.get_logger()
+
+
+@dataclass
+class Sequence:
+    """One prompt + completion with the target's per-position features and greedy choices."""
+
+    ids: torch.Tensor  # [T] long: prompt then completion
+    prompt_len: int
+    feats: torch.Tensor | None = None  # [T, H] post-final-norm hidden states
+    argmax: torch.Tensor | None = None  # [T] long: the target's greedy next token at each position
+    greedy: bool = True
+    kind: str = ""
+
+
+def encode_prompts(model_dir: str, prompts: list[Prompt]) -> list[list[int]]:
+    """Token ids: chat prompts through the model's chat template when it has one, else raw text."""
+    from axonserve.frontends.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(model_dir)
+    out = []
+    for p in prompts:
+        if p.chat and tok.has_chat_template:
+            out.append(tok.encode_chat([{"role": "user", "content": p.text}]))
+        else:
+            out.append(tok.encode(p.text))
+    return out
+
+
+def generate(model_dir: str, jobs: list[tuple[Prompt, float]], max_new_tokens: int, budget_s: float,
+             chunk: int = 64, seed: int = 0, **engine_kwargs) -> list[Sequence]:
+    """Run (prompt, temperature) jobs through the offline engine in chunks until the budget is spent."""
+    from axonserve.frontends.offline import LLM
+    from axonserve.protocol.messages import SamplingParams
+
+    ids = encode_prompts(model_dir, [p for p, _ in jobs])
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, **engine_kwargs)
+    seqs: list[Sequence] = []
+    ntok, chunk_s = 0, 0.0
+    try:
+        bar = tqdm(total=len(jobs), desc="self-distil: generate", unit="seq")
+        for s in range(0, len(jobs), chunk):
+            if seqs and time.perf_counter() - t0 + chunk_s > budget_s:  # the next chunk would overrun
+                log.info("eagle.generate_budget_spent", done=s, queued=len(jobs))
+                break
+            c0 = time.perf_counter()
+            part = list(range(s, min(s + chunk, len(jobs))))
+            params = [SamplingParams(temperature=jobs[i][1], max_tokens=max_new_tokens, seed=seed + i) for i in part]
+            for i, out in zip(part, llm.generate([ids[i] for i in part], params)):
+                comp = out.outputs[0].token_ids
+                seqs.append(Sequence(torch.tensor(ids[i] + comp), len(ids[i]), greedy=jobs[i][1] == 0,
+                                     kind=jobs[i][0].kind))
+                ntok += len(comp)
+            chunk_s = time.perf_counter() - c0
+            bar.update(len(part))
+            bar.set_postfix(tok_s=round(ntok / (time.perf_counter() - t0)))
+        bar.close()
+    finally:
+        llm.shutdown()
+    log.info("eagle.generated", seqs=len(seqs), new_tokens=ntok, seconds=round(time.perf_counter() - t0, 1))
+    return seqs
+
+
+@torch.inference_mode()
+def record_features(model_dir: str, seqs: list[Sequence], max_batch_tokens: int = 2048, block_size: int = 16,
+                    dtype: torch.dtype = torch.float32) -> None:
+    """Fill seq.feats / seq.argmax with a teacher-forced forward of axonserve's model (prefill path)."""
+    from axonserve.neuron.config import ModelConfig
+    from axonserve.neuron.loader import load_model
+    from axonserve.neuron.ops.attention import AttentionMetadata
+
+    mc = ModelConfig.from_dir(model_dir)
+    longest = max(len(s.ids) for s in seqs)
+    if longest > mc.max_position_embeddings:
+        raise ValueError(f"a sequence of {longest} tokens exceeds the model's {mc.max_position_embeddings} positions")
+    model = load_model(mc, dtype, progress=False)
+    budget = max(max_batch_tokens, longest)
+    nblocks = budget // block_size + len(seqs) + 1
+    kv = [(torch.zeros(nblocks, block_size, mc.num_kv_heads, mc.head_dim, dtype=dtype),
+           torch.zeros(nblocks, block_size, mc.num_kv_heads, mc.head_dim, dtype=dtype)) for _ in range(mc.num_layers)]
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
+    bar = tqdm(total=sum(len(s.ids) for s in seqs), desc="self-distil: features", unit="tok")
+    i = 0
+    while i < len(order):
+        batch, ntok = [], 0
+        while i < len(order) and (not batch or ntok + len(seqs[order[i]].ids) <= budget):
+            batch.append(seqs[order[i]])
+            ntok += len(batch[-1].ids)
+            i += 1
+        lens = [len(s.ids) for s in batch]
+        tables, nxt = [], 0
+        for n in lens:
+            nb = -(-n // block_size)
+            tables.append(list(range(nxt, nxt + nb)))
+            nxt += nb
+        meta = AttentionMetadata.build(lens, [0] * len(batch), tables, block_size)
+        hidden = model(torch.cat([s.ids for s in batch]), meta.positions, kv, meta)
+        am = model.compute_logits(hidden).argmax(dim=-1)
+        for s, h, a in zip(batch, hidden.split(lens), am.split(lens)):
+            s.feats, s.argmax = h.float().clone(), a.clone()
+        bar.update(ntok)
+    bar.close()
+
+
+def draft_vocab(seqs: list[Sequence], size: int, vocab_size: int, always: list[int] = ()) -> torch.Tensor:
+    """The `size` most frequent target output tokens (completions + greedy choices), sorted ids.
+
+    `always` (EOS ids) is kept; when the data has fewer distinct tokens, the rest is filled with
+    the most frequent prompt tokens, then the lowest unused ids."""
+    out_counts: Counter[int] = Counter()
+    prompt_counts: Counter[int] = Counter()
+    for s in seqs:
+        out_counts.update(s.ids[s.prompt_len:].tolist())
+        if s.argmax is not None:
+            out_counts.update(s.argmax[max(0, s.prompt_len - 1):].tolist())
+        prompt_counts.update(s.ids[: s.prompt_len].tolist())
+    size = min(size, vocab_size)
+    chosen = list(dict.fromkeys([t for t in always if 0 <= t < vocab_size]))
+    seen = set(chosen)
+    for t, _ in out_counts.most_common() + prompt_counts.most_common():
+        if len(chosen) >= size:
+            break
+        if t not in seen:
+            chosen.append(t)
+            seen.add(t)
+    if len(chosen) < size:
+        rest = np.setdiff1d(np.arange(vocab_size), np.asarray(chosen, dtype=np.int64))[: size - len(chosen)]
+        chosen += rest.tolist()
+    return torch.tensor(sorted(chosen[:size]), dtype=torch.long)

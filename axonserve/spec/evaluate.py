@@ -1,0 +1,76 @@
+"""How good a draft head is: simulated greedy chain drafting, and what one draft step costs.
+
+The simulation replays speculative decoding against the target's own greedy continuation
+(whose features were recorded teacher-forced, i.e. exactly what verification would compute):
+each round the drafter gets the features and tokens verification accepted, `propose` drafts k
+tokens, the longest prefix equal to the greedy continuation is accepted plus the bonus token.
+It drives the real `propose` + `DraftKV` path, crops included.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from axonserve.spec.data import Sequence
+from axonserve.spec.eagle import DraftKV, EagleHead, propose
+
+
+def simulate_acceptance(head: EagleHead, seqs: list[Sequence], k: int, batch: int = 16) -> dict:
+    """Mean accepted length (tokens per target forward = 1 + accepted drafts) and acceptance per position."""
+    rounds, tokens = 0, 0
+    at_least = [0] * k  # rounds with >= i+1 drafts accepted
+    for b0 in range(0, len(seqs), batch):
+        group = [s for s in seqs[b0:b0 + batch] if len(s.ids) >= s.prompt_len + k + 1]
+        kvs = [DraftKV.for_head(head, capacity=len(s.ids) + k) for s in group]
+        start = [0] * len(group)
+        last = [s.prompt_len - 1 for s in group]  # last position whose feature the target has computed
+        active = list(range(len(group)))
+        while active:
+            drafts = propose(head, [kvs[i] for i in active], [start[i] for i in active],
+                             [group[i].ids[start[i] + 1:last[i] + 2] for i in active],
+                             [group[i].feats[start[i]:last[i] + 1] for i in active], k)
+            still = []
+            for i, d in zip(active, drafts):
+                truth = group[i].ids[last[i] + 2:last[i] + 2 + k].tolist()
+                a = 0
+                while a < k and d[a] == truth[a]:
+                    a += 1
+                rounds, tokens = rounds + 1, tokens + 1 + a
+                for j in range(a):
+                    at_least[j] += 1
+                start[i], last[i] = last[i] + 1, last[i] + 1 + a
+                if last[i] + k + 2 <= len(group[i].ids):
+                    still.append(i)
+            active = still
+    p = [x / max(rounds, 1) for x in at_least]
+    cond = [at_least[0] / max(rounds, 1)] + [at_least[j] / max(at_least[j - 1], 1) for j in range(1, k)]
+    return {"k": k, "rounds": rounds, "tokens": tokens, "mean_accepted_length": tokens / max(rounds, 1),
+            "p_accepted_at_least": p, "conditional_acceptance": cond}
+
+
+@torch.inference_mode()
+def draft_step_latency(head: EagleHead, full_lm_head: torch.Tensor, vocab_sizes: list[int],
+                       batches: tuple[int, ...] = (1, 8), context: int = 200, reps: int = 20) -> list[dict]:
+    """Median ms of one draft step (propose with one new token, k=1: layer + draft lm_head + argmax)
+    for each draft vocabulary size, with `context` cached positions per request."""
+    saved = head.d2t, head.lm_head
+    h = head.config.hidden_size
+    out = []
+    try:
+        for n in vocab_sizes:
+            head.d2t = torch.arange(n)
+            head.lm_head = full_lm_head[:n].to(head.fc.weight.dtype).contiguous()
+            for b in batches:
+                kvs = [DraftKV.for_head(head, capacity=context + 8) for _ in range(b)]
+                propose(head, kvs, [0] * b, [torch.randint(0, n, (context,))] * b, [torch.randn(context, h)] * b, 1)
+                times = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    propose(head, kvs, [context] * b, [torch.tensor([1])] * b, [torch.randn(1, h)] * b, 1)
+                    times.append(time.perf_counter() - t0)
+                out.append({"draft_vocab": n, "batch": b, "ms": round(1000 * sorted(times)[len(times) // 2], 3)})
+    finally:
+        head.d2t, head.lm_head = saved
+    return out
