@@ -8,12 +8,17 @@ from __future__ import annotations
 import msgspec
 
 
+METHODS = ("ngram", "eagle", "draft_model")
+
+
 class SpeculativeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     """vLLM's --speculative-config: who proposes draft tokens and how many per step."""
 
-    method: str  # ngram (prompt lookup, in the scheduler) | eagle (draft head, drafter actor)
+    # ngram (prompt lookup, in the scheduler) | eagle (draft head) | draft_model (a smaller LM):
+    # the last two run in the drafter actor
+    method: str
     num_speculative_tokens: int = 3
-    model: str = ""  # eagle: head directory; "" = the head shipped for the default model
+    model: str = ""  # eagle: head directory ("" = the head shipped for the default model); draft_model: the model
     prompt_lookup_min: int = 1  # ngram: shortest suffix matched
     prompt_lookup_max: int = 3  # ngram: longest suffix matched (tried first)
     # fall back to plain decoding while more requests than this decode at once (0: never);
@@ -32,9 +37,16 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise ValueError(f"bad speculative config: {e}") from e
 
+    @property
+    def uses_drafter(self) -> bool:
+        """Proposals come from the drafter actor (else from the scheduler itself)."""
+        return self.method != "ngram"
+
     def validate(self) -> "SpeculativeConfig":
-        if self.method not in ("ngram", "eagle"):
-            raise ValueError(f"speculative method {self.method!r} is not supported; supported: ngram, eagle")
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not supported; supported: {', '.join(METHODS)}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('speculative method "draft_model" needs "model"')
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in [1, 16]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

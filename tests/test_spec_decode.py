@@ -119,6 +119,18 @@ async def test_greedy_identical_with_the_eagle_drafter_actor(tiny_llama_dir, ref
     assert stats.spec_drafts >= 7 * N_NEW / 4, stats
 
 
+@pytest.mark.timeout(300)
+async def test_draft_model_proposer_with_the_target_as_its_own_draft(tiny_llama_dir, reference):
+    """The target as its own draft model: every greedy draft must be accepted (the whole
+    pipeline — token sync, the draft model's KV reuse across calls, verification — is exact),
+    and outputs equal transformers'."""
+    spec = SpeculativeConfig(method="draft_model", model=tiny_llama_dir, disable_by_batch_size=0)
+    kw = dict(num_kv_blocks=400, block_size=4, log_level="warning", speculative=spec, max_num_batched_tokens=32)
+    got, stats = await _run_workload(EngineConfig(model=tiny_llama_dir, **kw))
+    assert got == reference
+    assert stats.spec_drafts >= 7 * N_NEW / 4 and stats.spec_accepted_tokens == stats.spec_draft_tokens, stats
+
+
 @pytest.fixture(scope="module")
 def vocab16_dir(tmp_path_factory, smollm2_dir) -> str:
     """A 16-token vocabulary: sampled distributions are estimable from a few thousand draws."""

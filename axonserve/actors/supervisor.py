@@ -103,7 +103,7 @@ class Supervisor:
             specs.append(ActorSpec(kind="metrics", name="metrics", config=self.config,
                                    addresses=self.addresses))
         spec_cfg = self.config.speculative
-        if spec_cfg is not None and spec_cfg.method == "eagle" and not self.workers_only:
+        if spec_cfg is not None and spec_cfg.uses_drafter and not self.workers_only:
             specs.append(ActorSpec(kind="drafter", name="drafter", config=self.config,
                                    addresses=self.addresses))
         if self.config.snapshot:  # tensor snapshots: the sink that writes them to disk

@@ -71,7 +71,7 @@ class SchedulerActor(Actor):
         self.result_frames: list = []  # the last step result's frames (tensor frames forwarded as they are)
         self._drafted: set[str] = set()  # requests the drafter holds state for
         spec = self.config.speculative
-        self.drafter = self.socket(zmq.DEALER, a.drafter) if spec and spec.method == "eagle" else None
+        self.drafter = self.socket(zmq.DEALER, a.drafter) if spec and spec.uses_drafter else None
         info = await asyncio.wait_for(self.configured, self.config.ready_timeout_s)
         await self._wait_subscribers(self.config.num_workers)
         max_len = int(info["max_model_len"])
@@ -260,7 +260,10 @@ class SchedulerActor(Actor):
         if spec.cfg.method == "ngram":
             spec.ngram(want)
             return True
-        msg = self._draft_request(result, {r.request_id: k for r, k in want})
+        if spec.cfg.method == "eagle":
+            msg = self._draft_request(result, {r.request_id: k for r, k in want})
+        else:
+            msg = self._draft_model_request(result.step_id, want)
         if not msg.request_ids and not msg.finished_request_ids:
             return True
         frames = [self.result_frames[result.features.index]] if msg.request_ids and result.features else []
@@ -301,10 +304,29 @@ class SchedulerActor(Actor):
         msg.tokens = tokens
         if msg.request_ids:
             msg.features = TensorRef(1, result.features.dtype, result.features.shape)
+        msg.finished_request_ids = self._gone()
+        return msg
+
+    def _draft_model_request(self, step_id: int, want: list) -> DraftRequest:
+        """A draft model needs only tokens: each candidate's whole sequence (it keeps the KV of
+        the prefix it already computed)."""
+        msg = DraftRequest(step_id)
+        for req, k in want:
+            msg.request_ids.append(req.request_id)
+            msg.offsets.append(len(msg.tokens))
+            msg.counts.append(req.num_tokens)
+            msg.starts.append(0)
+            msg.num_drafts.append(k)
+            msg.tokens += req.token_ids
+            self._drafted.add(req.request_id)
+        msg.finished_request_ids = self._gone()
+        return msg
+
+    def _gone(self) -> list[str]:
+        """Requests the drafter holds state for that have ended."""
         gone = [rid for rid in self._drafted if rid not in self.sched.requests]
         self._drafted.difference_update(gone)
-        msg.finished_request_ids = gone
-        return msg
+        return gone
 
     def _log_preempted(self, plan: StepPlan) -> None:
         """Requests whose worker state this plan drops while they wait again were preempted."""

@@ -13,6 +13,7 @@ every draft is verified).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Any
@@ -22,7 +23,14 @@ import zmq
 
 from axonserve.actors.runtime import Actor
 from axonserve.protocol import Codec, DecodeError, tensor_from_frame
-from axonserve.protocol.messages import DraftRequest, DraftResult
+from axonserve.protocol.messages import (
+    CachedRequestData,
+    DraftRequest,
+    DraftResult,
+    NewRequestData,
+    SamplingParams,
+    StepPlan,
+)
 
 _codec = Codec(DraftRequest)
 HEADS_DIR = os.path.join(os.path.dirname(__file__), "heads")
@@ -48,56 +56,139 @@ class DrafterActor(Actor):
     beat_in_thread = True  # a long proposal must not read as a hang
 
     async def setup(self) -> dict[str, Any]:
-        from axonserve.spec.eagle import DraftKV, EagleHead
-
-        cores = len(os.sched_getaffinity(0))
-        torch.set_num_threads(self.config.threads or cores)
+        torch.set_num_threads(self.config.threads or len(os.sched_getaffinity(0)))
         spec = self.config.speculative
         assert spec is not None
-        path = head_dir(spec.model, self.config.served_model_name or self.config.model)
-        self.head = EagleHead.from_pretrained(path, self.config.model)
-        self.new_kv = lambda: DraftKV.for_head(self.head)
-        self.kvs: dict[str, Any] = {}
+        if spec.method == "eagle":
+            self.proposer: EagleProposer | DraftModelProposer = EagleProposer(
+                head_dir(spec.model, self.config.served_model_name or self.config.model), self.config.model)
+        else:
+            self.proposer = await asyncio.to_thread(DraftModelProposer, self.config)
         self.sock = self.socket(zmq.ROUTER, self.addresses.drafter, bind=True)
-        return {"head": path, "draft_vocab": self.head.config.draft_vocab_size}
+        return self.proposer.info
 
     async def run(self) -> None:
         while True:
             frames = await self.sock.recv_multipart(copy=False)
             ident = frames[0].bytes
+            t0 = time.perf_counter()
             try:
                 msg, _ = _codec.decode(frames[1:])
-                reply = self.propose(msg, frames[1:])
+                for rid in msg.finished_request_ids:
+                    self.proposer.drop(rid)
+                drafts = self.proposer.propose(msg, frames[1:]) if msg.request_ids else []
+                want = [(rid, d[:m]) for rid, d, m in zip(msg.request_ids, drafts, msg.num_drafts) if m > 0]
+                reply = DraftResult(msg.step_id, [r for r, _ in want], [d for _, d in want],
+                                    propose_s=time.perf_counter() - t0)
             except (DecodeError, ValueError) as e:
                 self.log.error("drafter.bad_request", error=str(e))
                 reply = DraftResult(step_id=-1, error=str(e))
             await self.sock.send_multipart([ident, *Codec.encode(reply)], copy=False)
 
-    def propose(self, msg: DraftRequest, frames: list) -> DraftResult:
-        from axonserve.spec.eagle import propose
 
-        t0 = time.perf_counter()
-        for rid in msg.finished_request_ids:
-            self.kvs.pop(rid, None)
-        if not msg.request_ids:
-            return DraftResult(msg.step_id)
+class EagleProposer:
+    """EAGLE head with one dense head-KV per request (axonserve/spec/eagle.py)."""
+
+    def __init__(self, path: str, target_dir: str):
+        from axonserve.spec.eagle import EagleHead
+
+        self.head = EagleHead.from_pretrained(path, target_dir)
+        self.kvs: dict[str, Any] = {}
+        self.info = {"method": "eagle", "head": path, "draft_vocab": self.head.config.draft_vocab_size}
+
+    def drop(self, rid: str) -> None:
+        self.kvs.pop(rid, None)
+
+    def propose(self, msg: DraftRequest, frames: list) -> list[list[int]]:
+        from axonserve.spec.eagle import DraftKV, propose
+
+        if msg.features is None:
+            raise ValueError("an EAGLE draft request needs the features frame")
         feats = tensor_from_frame(msg.features, frames).to(self.head.fc.weight.dtype)
         tokens = torch.tensor(msg.tokens, dtype=torch.long)
-        kvs, starts, toks, fs = [], [], [], []
+        kvs, toks, fs = [], [], []
         for rid, start, n, at in zip(msg.request_ids, msg.starts, msg.counts, msg.offsets):
             kv = self.kvs.get(rid)
             if kv is None:
-                kv = self.kvs[rid] = self.new_kv()
+                kv = self.kvs[rid] = DraftKV.for_head(self.head)
             if start > kv.length:  # prefix-cache hit on the target: no features for the gap
-                gap = start - kv.length
-                zeros = torch.zeros(kv.k.shape[0], gap, kv.k.shape[2], dtype=kv.k.dtype)
+                zeros = torch.zeros(kv.k.shape[0], start - kv.length, kv.k.shape[2], dtype=kv.k.dtype)
                 kv.write(kv.length, zeros, zeros)
             kvs.append(kv)
-            starts.append(start)
             toks.append(tokens[at : at + n])
             fs.append(feats[at : at + n])
+        return propose(self.head, kvs, msg.starts, toks, fs, max(1, max(msg.num_drafts)))
+
+
+class DraftModelProposer:
+    """A smaller model of the same vocabulary proposes greedily: axonserve's own ModelRunner
+    with its own paged KV. Each call syncs a request to the target's tokens (keeping the
+    computed KV of the common prefix), then runs one catch-up step and k - 1 decode steps."""
+
+    def __init__(self, config: Any):
+        import msgspec
+
+        from axonserve.neuron.model_runner import ModelRunner
+        from axonserve.neuron.model_source import resolve_model
+
+        spec = config.speculative
+        if not spec.model:
+            raise ValueError('method "draft_model" needs "model": the draft model (name, directory or .gguf)')
+        dcfg = msgspec.structs.replace(
+            config, model=resolve_model(spec.model), speculative=None, num_workers=1, num_kv_blocks=None,
+            kv_cache_memory_fraction=config.kv_cache_memory_fraction / 2, quantization="", snapshot="",
+            bucketing=False, task="generate")
+        self.runner = ModelRunner(dcfg)
+        self.bs = self.runner.block_size
+        self.free = list(range(self.runner.num_kv_blocks))
+        self.blocks: dict[str, list[int]] = {}
+        self.step = 0
+        self.greedy = SamplingParams(temperature=0.0, max_tokens=None)
+        self.info = {"method": "draft_model", "model": dcfg.model, "num_kv_blocks": self.runner.num_kv_blocks}
+
+    def drop(self, rid: str) -> None:
+        self.runner.requests.pop(rid, None)
+        self.free.extend(self.blocks.pop(rid, []))
+
+    def propose(self, msg: DraftRequest, frames: list) -> list[list[int]]:
         k = max(msg.num_drafts)
-        drafts = propose(self.head, kvs, starts, toks, fs, max(k, 1))
-        want = [(rid, d[:m]) for rid, d, m in zip(msg.request_ids, drafts, msg.num_drafts) if m > 0]
-        return DraftResult(msg.step_id, [r for r, _ in want], [d for _, d in want],
-                           propose_s=time.perf_counter() - t0)
+        if k == 0:
+            return [[] for _ in msg.request_ids]
+        new, cached, order = [], [], []
+        for rid, at, n in zip(msg.request_ids, msg.offsets, msg.counts):
+            true = msg.tokens[at : at + n]  # the request's whole known sequence
+            need = -(-(len(true) + k) // self.bs)
+            have = self.blocks.setdefault(rid, [])
+            if need > len(have) + len(self.free):
+                self.drop(rid)  # no room: no drafts for it this time
+                continue
+            grown = [self.free.pop() for _ in range(need - len(have))]
+            have += grown
+            st = self.runner.requests.get(rid)
+            if st is None:
+                new.append(NewRequestData(rid, true, len(true), list(have), 0, self.greedy))
+                counts_n = len(true)
+            else:
+                same = next((i for i, (a, b) in enumerate(zip(st.token_ids, true)) if a != b),
+                            min(len(st.token_ids), len(true)))
+                st.token_ids = list(true)
+                st.num_computed_tokens = min(st.num_computed_tokens, same, len(true) - 1)
+                cached.append(CachedRequestData(rid, grown))
+                counts_n = len(true) - st.num_computed_tokens
+            order.append((rid, st is None, counts_n))
+        plan_n = [c for _, is_new, c in order if is_new] + [c for _, is_new, c in order if not is_new]
+        drafts: dict[str, list[int]] = {rid: [] for rid, _, _ in order}
+        plan = StepPlan(self._next(), new=new, cached=cached, num_scheduled_tokens=plan_n)
+        for j in range(k):
+            res = self.runner.execute(plan)
+            if res.error:
+                raise ValueError(f"draft model step failed: {res.error}")
+            for rid, tok in zip(res.request_ids, res.sampled_token_ids):
+                drafts[rid].append(tok)
+            live = [CachedRequestData(rid) for rid, _, _ in order]
+            plan = StepPlan(self._next(), cached=live, num_scheduled_tokens=[1] * len(live))
+        return [drafts.get(rid, []) for rid in msg.request_ids]
+
+    def _next(self) -> int:
+        self.step += 1
+        return self.step
