@@ -33,6 +33,7 @@ from axonserve.engine.request import Request, Status
 from axonserve.engine.spec import SpecDecoding
 from axonserve.protocol.messages import (
     CachedRequestData,
+    ParamError,
     NewRequestData,
     RequestDelta,
     RequestStats,
@@ -110,6 +111,10 @@ class Scheduler:
             )
         if any(t < 0 or t >= cfg.vocab_size for t in req.token_ids):
             return f"prompt contains token ids outside the vocabulary [0, {cfg.vocab_size})"
+        try:
+            req.params.check_vocab(cfg.vocab_size)
+        except ParamError as e:
+            return str(e)
         if not cfg.enable_chunked_prefill and n > cfg.max_num_batched_tokens:
             return (
                 f"prompt has {n} tokens, more than max_num_batched_tokens "
@@ -429,6 +434,7 @@ class Scheduler:
                 req.num_computed_tokens -= k - (m - 1)
                 if self.spec is not None:
                     self.spec.record(req, k, m - 1)
+            self.blocks.cache_computed(req)  # verified KV only; before a finish frees the blocks
             new: list[int] = []
             done = False
             for tok in toks:
@@ -465,8 +471,8 @@ class Scheduler:
             req.finish_reason = "stop"
             deltas.append(RequestDelta(rid, finish_reason="stop", num_prompt_tokens=req.num_prompt_tokens))
             self._finish(req)
-        for req in self._in_flight:  # after the drafts' correction: only verified KV is published
-            if req.status == Status.RUNNING and req.pooling is None:
+        for req in self._in_flight:  # prefill chunks that sampled nothing
+            if req.status == Status.RUNNING and req.pooling is None and not req.num_spec_scheduled:
                 self.blocks.cache_computed(req)
         self._in_flight = []
         return deltas

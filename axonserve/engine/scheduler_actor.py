@@ -267,15 +267,24 @@ class SchedulerActor(Actor):
         if not msg.request_ids and not msg.finished_request_ids:
             return True
         frames = [self.result_frames[result.features.index]] if msg.request_ids and result.features else []
+        msg.reply = any(msg.num_drafts)  # else only the head's KV grows: nothing to wait for
         await self.drafter.send_multipart(Codec.encode(msg, frames), copy=False)
+        if not msg.reply:
+            return True
         reply = await self._recv(self.drafter, _draft_codec, f"drafts for step {result.step_id}",
                                  self.config.step_timeout_s)
         if reply is None:
             return False
-        if reply.error or reply.step_id != msg.step_id:
-            await self._fail(f"drafter: {reply.error or 'reply out of order'}")
+        if reply.step_id != msg.step_id:
+            await self._fail(f"drafter reply out of order (step {reply.step_id}, expected {msg.step_id})")
             return False
+        if reply.error:  # drafts are optional: this step goes without
+            self.log.warning("drafter.error", step_id=msg.step_id, error=reply.error)
+            return True
+        vocab = self.sched.cfg.vocab_size
         for rid, drafts in zip(reply.request_ids, reply.draft_token_ids):
+            if any(not 0 <= t < vocab for t in drafts):
+                continue
             req = self.sched.requests.get(rid)
             if req is not None and req.status == Status.RUNNING:
                 req.spec_token_ids = drafts

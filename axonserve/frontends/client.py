@@ -242,10 +242,7 @@ class AsyncEngineClient:
             raise ParamError("prompt", "the prompt is empty")
         if any(not 0 <= t < self.info.vocab_size for t in prompt_ids):
             raise ParamError("prompt", f"prompt token ids must be in [0, {self.info.vocab_size})")
-        vocab = self.info.vocab_size
-        for name, ids in (("logit_bias", one.logit_bias or {}), ("allowed_token_ids", one.allowed_token_ids or [])):
-            if any(t >= vocab for t in ids):
-                raise ParamError(name, f"{name} token ids must be in [0, {vocab})")
+        one.check_vocab(self.info.vocab_size)
         if num >= limit:
             raise ParamError(
                 "input_tokens",

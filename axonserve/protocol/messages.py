@@ -115,6 +115,14 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             check(self.structured_outputs)
         return self
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ParamError naming the first token-id parameter with an id past the vocabulary
+        (the sampler indexes logits with them: one bad id would fail the whole step)."""
+        for name, ids in (("logit_bias", self.logit_bias or {}), ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("stop_token_ids", self.stop_token_ids)):
+            if any(t >= vocab_size for t in ids):
+                raise ParamError(name, f"{name} token ids must be in [0, {vocab_size})")
+
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
@@ -324,6 +332,7 @@ class DraftRequest(_Msg, tag=22):
     num_drafts: list[int] = []
     features: TensorRef | None = None
     finished_request_ids: list[str] = []
+    reply: bool = True  # False: no drafts wanted (only the head's KV grows), answer nothing
 
 
 class DraftResult(_Msg, tag=23):

@@ -74,16 +74,23 @@ class DrafterActor(Actor):
             t0 = time.perf_counter()
             try:
                 msg, _ = _codec.decode(frames[1:])
+            except DecodeError as e:
+                self.log.error("drafter.bad_request", error=str(e))
+                continue
+            try:
                 for rid in msg.finished_request_ids:
                     self.proposer.drop(rid)
                 drafts = self.proposer.propose(msg, frames[1:]) if msg.request_ids else []
                 want = [(rid, d[:m]) for rid, d, m in zip(msg.request_ids, drafts, msg.num_drafts) if m > 0]
                 reply = DraftResult(msg.step_id, [r for r, _ in want], [d for _, d in want],
                                     propose_s=time.perf_counter() - t0)
-            except (DecodeError, ValueError) as e:
-                self.log.error("drafter.bad_request", error=str(e))
-                reply = DraftResult(step_id=-1, error=str(e))
-            await self.sock.send_multipart([ident, *Codec.encode(reply)], copy=False)
+            except (ValueError, RuntimeError, IndexError) as e:  # this step goes without drafts
+                self.log.error("drafter.propose_failed", step_id=msg.step_id, error=repr(e))
+                for rid in msg.request_ids:  # their state may be half-updated
+                    self.proposer.drop(rid)
+                reply = DraftResult(msg.step_id, error=f"{type(e).__name__}: {e}")
+            if msg.reply:
+                await self.sock.send_multipart([ident, *Codec.encode(reply)], copy=False)
 
 
 class EagleProposer:
@@ -128,6 +135,7 @@ class DraftModelProposer:
     def __init__(self, config: Any):
         import msgspec
 
+        from axonserve.neuron.config import ModelConfig
         from axonserve.neuron.model_runner import ModelRunner
         from axonserve.neuron.model_source import resolve_model
 
@@ -139,6 +147,10 @@ class DraftModelProposer:
             kv_cache_memory_fraction=config.kv_cache_memory_fraction / 2, quantization="", snapshot="",
             bucketing=False, task="generate")
         self.runner = ModelRunner(dcfg)
+        target_vocab = ModelConfig.from_dir(config.model).vocab_size
+        if self.runner.vocab_size > target_vocab:
+            raise ValueError(f"draft model {dcfg.model} has {self.runner.vocab_size} tokens, more than the "
+                             f"target's {target_vocab}: they must share one vocabulary")
         self.bs = self.runner.block_size
         self.free = list(range(self.runner.num_kv_blocks))
         self.blocks: dict[str, list[int]] = {}
@@ -157,6 +169,9 @@ class DraftModelProposer:
         new, cached, order = [], [], []
         for rid, at, n in zip(msg.request_ids, msg.offsets, msg.counts):
             true = msg.tokens[at : at + n]  # the request's whole known sequence
+            if len(true) + k > self.runner.max_model_len:  # past the draft model's context
+                self.drop(rid)
+                continue
             need = -(-(len(true) + k) // self.bs)
             have = self.blocks.setdefault(rid, [])
             if need > len(have) + len(self.free):

@@ -431,3 +431,23 @@ def test_ngram_propose_takes_the_longest_most_recent_match():
     assert ngram_propose([1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3], 2, 1, 3) == [8, 5]  # latest "1 2 3"
     assert ngram_propose([4, 7, 1, 2, 5, 2], 3, 1, 3) == [5, 2]  # only "2" matches; continuation ends
     assert ngram_propose([1, 2, 3], 3, 1, 3) == []
+
+
+def test_a_request_finishing_on_its_first_token_still_publishes_its_prompt_blocks():
+    s = make(block_size=4)
+    a = req("a", 9, max_tokens=1)
+    s.add(a)
+    plan = s.schedule()
+    deltas = s.update(StepResult(plan.step_id, ["a"], [40]))
+    assert deltas[0].finish_reason == "length"
+    b = req("b", 9)
+    s.add(b)
+    s.schedule()
+    assert b.num_cached_tokens == 8  # both full prompt blocks came from the cache
+
+
+def test_token_id_parameters_past_the_vocabulary_are_refused_at_intake():
+    s = make()
+    for bad in (dict(stop_token_ids=[100], min_tokens=1), dict(logit_bias={100: 1.0}), dict(allowed_token_ids=[5, 100])):
+        why = s.check(req("x", 3, **bad))
+        assert why is not None and "[0, 100)" in why, bad
