@@ -47,6 +47,7 @@ from axonserve.protocol.messages import (
 
 log = structlog.get_logger()
 
+_LOGPROB_ROWS = 256  # prompt logprobs: positions per [rows, vocab] logits slice
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -289,15 +290,19 @@ class ModelRunner:
             m = min(n, st.num_prompt_tokens - 1 - c)  # rows whose target is still a prompt token
             if k is None or m <= 0:
                 continue
-            lp = torch.log_softmax(self.model.compute_logits(hidden[last - n + 1 : last - n + 1 + m]).float(), dim=-1)
-            target = torch.tensor(st.token_ids[c + 1 : c + 1 + m])
-            chosen = lp.gather(1, target[:, None])
-            ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
-            top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-            out.append(PromptLogprobs(st.request_id, c + 1, [
-                TokenLogprobs(logprob=v, rank=r, top_ids=ti, top_logprobs=tl)
-                for v, r, ti, tl in zip(chosen[:, 0].tolist(), ranks, top_ids.tolist(), top_lp.tolist())
-            ]))
+            entries: list[TokenLogprobs] = []
+            first = last - n + 1
+            for j in range(0, m, _LOGPROB_ROWS):  # one [rows, vocab] tensor alive at a time
+                rows = min(_LOGPROB_ROWS, m - j)
+                logits = self.model.compute_logits(hidden[first + j : first + j + rows]).float()
+                lse = logits.logsumexp(dim=-1, keepdim=True)
+                target = torch.tensor(st.token_ids[c + 1 + j : c + 1 + j + rows])
+                chosen = logits.gather(1, target[:, None])
+                ranks = ((logits > chosen).sum(dim=-1) + 1).tolist()
+                top_l, top_ids = logits.topk(k, dim=-1) if k else (logits[:, :0], logits[:, :0].long())
+                entries += [TokenLogprobs(logprob=v, rank=r, top_ids=ti, top_logprobs=tl) for v, r, ti, tl in zip(
+                    (chosen - lse)[:, 0].tolist(), ranks, top_ids.tolist(), (top_l - lse).tolist())]
+            out.append(PromptLogprobs(st.request_id, c + 1, entries))
         return out
 
     # ------------------------------------------------------------------ bucketing mode
