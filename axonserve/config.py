@@ -35,6 +35,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     context_len_buckets: list[int] = []  # prefill chunk (query) lengths
     decode_batch_buckets: list[int] = []  # decode (token generation) batch sizes
     decode_len_buckets: list[int] = []  # KV lengths attended, both phases
+    # multimodal (vision-language models): 0 encoder workers = the worker ranks encode images
+    encoder_workers: int = 0  # encoder actor processes (vision tower + projector), fed by the router actor
+    encoder_cache_mb: int = 256  # the router's image-feature cache (by image hash)
+    encode_timeout_s: float = 60.0  # an encoder job older than this fails its request
+    allowed_media_domains: list[str] = []  # hosts image_url may fetch http(s) from ("*": any); none: data: URLs only
+    max_image_bytes: int = 10 * 2**20  # one image, encoded (PNG/JPEG...) bytes
+    max_images_per_request: int = 8
     # frontend
     host: str = "127.0.0.1"
     port: int = 8000
@@ -72,6 +79,7 @@ class Addresses(msgspec.Struct, kw_only=True):
     metrics: str = ""  # metrics actor ROUTER: GetMetrics -> MetricsText
     dist_init: str = ""  # torch.distributed init_method for worker ranks (tcp://host:port)
     snapshot: str = ""  # worker rank 0 PUSH (non-blocking) -> snapshot sink PULL
+    router: str = ""  # encoder router ROUTER: the scheduler's and every encoder's DEALER
 
     @classmethod
     def in_dir(cls, d: str, dist_port: int = 0) -> "Addresses":
@@ -84,13 +92,14 @@ class Addresses(msgspec.Struct, kw_only=True):
             metrics=f"ipc://{d}/metrics",
             dist_init=f"tcp://127.0.0.1:{dist_port}" if dist_port else "",
             snapshot=f"ipc://{d}/snapshot",
+            router=f"ipc://{d}/router",
         )
 
 
 class ActorSpec(msgspec.Struct, kw_only=True):
     """Everything a child process needs to become one actor."""
 
-    kind: str  # frontend | scheduler | worker
+    kind: str  # frontend | scheduler | worker | metrics | snapshot | router | encoder
     name: str
     config: EngineConfig
     addresses: Addresses

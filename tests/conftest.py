@@ -6,6 +6,7 @@ through the real loaders in seconds.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 
@@ -149,3 +150,89 @@ def make_tiny_model(out_dir: str, arch: str, tokenizer_dir: str | None = None, s
     if tokenizer_dir:
         copy_tokenizer(tokenizer_dir, out_dir)
     return out_dir
+
+
+# --------------------------------------------------------------------------- vision-language
+
+IMAGE_SIZE, PATCH = 32, 8  # 16 patches per image: 16 image tokens ("default" drops CLS)
+
+
+def make_tiny_llava(out_dir: str, tokenizer_dir: str, seed: int = 0) -> str:
+    """Random-weight LLaVA (CLIP 2 layers, hidden 32 -> projector -> the tiny Llama decoder) with
+    a LlavaProcessor: the tokenizer plus an `<image>` token and a 32-pixel CLIPImageProcessor.
+    Matrices N(0, 0.1) as in make_tiny_model, so logits are well apart."""
+    import torch
+    from transformers import AutoTokenizer, CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration
+    from transformers import LlavaProcessor
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_tokens(["<image>"], special_tokens=True)
+    image_id = tok.convert_tokens_to_ids("<image>")
+    text = {**TINY_DECODER, "vocab_size": len(tok) + 7, "max_position_embeddings": 512, "model_type": "llama"}
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32)
+    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_id,
+                      projector_hidden_act="gelu", vision_feature_layer=-2,
+                      vision_feature_select_strategy="default", image_seq_length=(IMAGE_SIZE // PATCH) ** 2)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    images = CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=PATCH, vision_feature_select_strategy="default",
+                   num_additional_image_tokens=1, chat_template=tok.chat_template).save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_dir(tmp_path_factory, smollm2_dir) -> str:
+    return make_tiny_llava(str(tmp_path_factory.mktemp("tiny-llava")), smollm2_dir)
+
+
+def png_bytes(seed: int, size: tuple[int, int] = (40, 48)) -> bytes:
+    """A random RGB PNG (resized and cropped to 32x32 by the processor)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    arr = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    import base64
+
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def hf_llava_greedy(model_dir: str, text: str, images: list[bytes], n: int) -> tuple[list[int], list[int]]:
+    """(prompt ids, n greedy tokens) from transformers' LlavaProcessor + LlavaForConditionalGeneration
+    for a rendered prompt `text` holding one `<image>` per image."""
+    import io
+
+    import torch
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(model_dir)
+    pil = [Image.open(io.BytesIO(b)) for b in images]
+    enc = proc(text=text, images=pil or None, return_tensors="pt", add_special_tokens=False)
+    model = _hf_llava(model_dir)
+    with torch.inference_mode():
+        out = model.generate(**enc, do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+    ids = enc["input_ids"][0].tolist()
+    return ids, out[0, len(ids):].tolist()
+
+
+@functools.lru_cache(maxsize=2)
+def _hf_llava(model_dir: str):
+    import torch
+    from transformers import LlavaForConditionalGeneration
+
+    return LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -48,6 +48,14 @@ def actor_class(kind: str):
         from axonserve.actors.snapshot import SnapshotSink
 
         return SnapshotSink
+    if kind == "router":
+        from axonserve.engine.encoder_router import EncoderRouter
+
+        return EncoderRouter
+    if kind == "encoder":
+        from axonserve.neuron.encoder import EncoderActor
+
+        return EncoderActor
     if kind == "frontend":
         from axonserve.frontends.openai.actor import FrontendActor
 

@@ -40,6 +40,7 @@ from axonserve.protocol.messages import (
 
 log = structlog.get_logger()
 _codec = Codec(Control)
+IMAGE_INFO = ("image_token_id", "image_tokens", "image_size", "hidden_size")
 
 
 class StartupError(RuntimeError):
@@ -102,6 +103,10 @@ class Supervisor:
                                    addresses=self.addresses))
             specs.append(ActorSpec(kind="metrics", name="metrics", config=self.config,
                                    addresses=self.addresses))
+        if self.config.encoder_workers and not self.workers_only:  # multimodal: the encoder pool
+            specs.append(ActorSpec(kind="router", name="router", config=self.config, addresses=self.addresses))
+            specs += [ActorSpec(kind="encoder", name=f"encoder-{i}", config=self.config, addresses=self.addresses)
+                      for i in range(self.config.encoder_workers)]
         if self.config.snapshot:  # tensor snapshots: the sink that writes them to disk
             specs.append(ActorSpec(kind="snapshot", name="snapshot", config=self.config,
                                    addresses=self.addresses))
@@ -186,6 +191,7 @@ class Supervisor:
                 "max_model_len": int(w0["max_model_len"]),
                 "eos_token_ids": list(w0["eos_token_ids"]),
                 "vocab_size": int(w0["vocab_size"]),
+                **{k: w0[k] for k in IMAGE_INFO if k in w0},  # vision-language models
             }
             await self._send("scheduler", Configure(info))
         if all(c.ready for c in self.children.values()):
@@ -195,7 +201,7 @@ class Supervisor:
         while True:
             await asyncio.sleep(0.2)
             now = time.monotonic()
-            for name, c in self.children.items():
+            for name, c in list(self.children.items()):  # a lost encoder leaves the dict
                 code = c.proc.poll()
                 if code is not None:
                     await self._on_failure(name, f"process exited with code {code}")
@@ -205,12 +211,25 @@ class Supervisor:
     async def _on_failure(self, name: str, reason: str) -> None:
         if self._stopped or self.failure is not None or self._failed.is_set():
             return
+        child = self.children.get(name)
+        if child is not None and child.spec.kind == "encoder" and self._all_ready.is_set():
+            await self._lose_encoder(name, child, reason)
+            return
         self.failure = (name, reason)
         log.error("actor_failed", failed=name, reason=reason)
         for other, c in self.children.items():
             if other != name and c.proc.poll() is None:
                 await self._send(other, ActorFailed(name, reason))
         self._failed.set()
+
+    async def _lose_encoder(self, name: str, child: _Child, reason: str) -> None:
+        """A pool member, not the engine: the router re-places its work, serving goes on."""
+        log.error("encoder_lost", failed=name, reason=reason)
+        del self.children[name]
+        if child.proc.poll() is None:  # stopped or hung: it must not come back
+            child.proc.kill()
+            await asyncio.to_thread(child.proc.wait, 5)
+        await self._send("router", ActorFailed(name, reason))
 
     async def _send(self, name: str, msg) -> None:
         try:

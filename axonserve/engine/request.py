@@ -10,7 +10,9 @@ from __future__ import annotations
 import enum
 import time
 
-from axonserve.protocol.messages import PoolingParams, SamplingParams, TokenLogprobs
+from typing import Any
+
+from axonserve.protocol.messages import MultiModalInput, PoolingParams, SamplingParams, TokenLogprobs
 
 
 class Status(enum.IntEnum):
@@ -48,6 +50,8 @@ class Request:
         "t_first",
         "t_last",
         "pooling",
+        "mm",
+        "mm_frames",
     )
 
     def __init__(
@@ -93,6 +97,10 @@ class Request:
         # embed task: the whole prompt runs in one step (no KV blocks, no prefix cache, never
         # chunked), then the request finishes with a pooled vector
         self.pooling = pooling
+        # images (vision-language models): their MultiModalInput, whose TensorRefs name
+        # `mm_frames[field]` (raw buffers the scheduler forwards to the workers as they are)
+        self.mm: MultiModalInput | None = None
+        self.mm_frames: dict[str, Any] = {}
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,9 @@ import bisect
 import itertools
 import time
 from dataclasses import dataclass
+from typing import Any
+
+import msgspec
 
 from axonserve.engine.block_manager import BlockManager
 from axonserve.engine.buckets import BucketConfig
@@ -37,6 +40,7 @@ from axonserve.protocol.messages import (
     StepPlan,
     StepResult,
 )
+from axonserve.protocol.codec import TensorRef
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ class Scheduler:
         # bucketing mode
         self._last_phase = ""  # "decode" | "prefill": kind of the last bucketed step
         self.shapes: set[tuple] = set()  # distinct (phase, batch, query_len, kv_len) the workers ran
+        self.plan_frames: list[Any] = []  # the last plan's extra frames (new requests' images)
 
     def _order_key(self, req: Request) -> tuple:
         return self._order[req.request_id]
@@ -354,6 +359,7 @@ class Scheduler:
 
     def _make_plan(self, scheduled: list[tuple[Request, int]]) -> StepPlan:
         new, cached, new_n, cached_n = [], [], [], []
+        self.plan_frames = []
         for req, n in scheduled:
             if not req.sent_to_worker:
                 new.append(
@@ -365,6 +371,7 @@ class Scheduler:
                         num_computed_tokens=req.num_computed_tokens,
                         params=req.params,
                         pooling=req.pooling,
+                        mm=self._plan_images(req) if req.mm is not None else None,
                     )
                 )
                 new_n.append(n)
@@ -387,6 +394,15 @@ class Scheduler:
         )
         self._to_drop = []
         return plan
+
+    def _plan_images(self, req: Request) -> Any:
+        """The request's images with their frames appended to this plan's extra frames."""
+        refs = {}
+        for name, buf in req.mm_frames.items():
+            ref = getattr(req.mm, name)
+            self.plan_frames.append(buf)
+            refs[name] = TensorRef(len(self.plan_frames), ref.dtype, ref.shape)
+        return msgspec.structs.replace(req.mm, **refs)
 
     def update(self, result: StepResult) -> list[RequestDelta]:
         """Apply sampled tokens; return the deltas to send (finished ones included)."""

@@ -138,6 +138,18 @@ class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     normalize: bool | None = None  # L2-normalize; None: the model's sentence-transformers default
 
 
+class MultiModalInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A prompt's images: where their placeholder runs sit in the prompt, their content hashes
+    (encoder cache and prefix-cache keys), and the preprocessed pixels or the encoded features,
+    each an extra frame of the message that carries this."""
+
+    hashes: list[str]
+    offsets: list[int]  # prompt position of each image's first placeholder token
+    lengths: list[int]  # placeholder tokens of each image
+    pixel_values: TensorRef | None = None  # [images, channels, height, width], to be encoded
+    embeddings: TensorRef | None = None  # [sum(lengths), hidden]: the features, already encoded
+
+
 class AddRequest(_Msg, tag=1):
     request_id: str
     prompt_token_ids: list[int]
@@ -145,6 +157,7 @@ class AddRequest(_Msg, tag=1):
     arrival_time: float = 0.0
     priority: int = 0
     pooling: PoolingParams | None = None  # set: an embed request (params are then unused)
+    mm: MultiModalInput | None = None  # images (vision-language models)
 
 
 class AbortRequest(_Msg, tag=2):
@@ -221,6 +234,9 @@ class EngineStats(_Msg, tag=13):
     # with phase "decode" (query_len 1) or "prefill"; empty when bucketing is off
     num_shapes: int = 0
     shapes: list[tuple[str, int, int, int]] = []
+    # multimodal: images seen, of which served by the encoder cache (the encoder router's)
+    mm_images: int = 0
+    mm_cache_hits: int = 0
 
 
 class EngineDead(_Msg, tag=12):
@@ -242,6 +258,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_computed_tokens: int
     params: SamplingParams
     pooling: PoolingParams | None = None
+    mm: MultiModalInput | None = None  # its frames are extra frames of the StepPlan
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -436,7 +453,40 @@ class SnapshotRecord(_Msg, tag=70):
     dropped: int = 0  # records this worker dropped before this one (sink lagging)
 
 
-StatsEvent = Union[StepStats, RequestStats, ActorAlive]
+# --------------------------------------------------------------------------- multimodal encoding
+
+
+class EncodeImages(_Msg, tag=80):
+    """Scheduler -> encoder router (every image of a request), router -> one encoder (the
+    images not in its cache): `pixel_values` is an extra frame, one row per hash."""
+
+    request_id: str
+    hashes: list[str]
+    pixel_values: TensorRef
+
+
+class ImagesEncoded(_Msg, tag=81):
+    """Encoder -> router: `embeddings` [images, tokens, hidden] for the hashes asked.
+    Router -> scheduler: [sum of tokens, hidden] for every image of the request, in order.
+    `error` set: no embeddings (the request fails with `error_code`)."""
+
+    request_id: str
+    embeddings: TensorRef | None = None
+    error: str | None = None
+    error_code: int = 0
+    num_cached: int = 0  # images served from the router's cache
+
+
+class EncoderStats(_Msg, tag=45):
+    """Encoder router -> metrics (deltas since the last event)."""
+
+    images: int = 0
+    cache_hits: int = 0
+    encode_s: float = 0.0  # time the encoders spent on this router's jobs
+    retries: int = 0  # jobs sent again after their encoder died
+
+
+StatsEvent = Union[StepStats, RequestStats, ActorAlive, EncoderStats]
 
 ClientToEngine = Union[AddRequest, AbortRequest, GetEngineInfo, GetStats, StartProfile, StopProfile]
 EngineToClient = Union[Outputs, EngineInfo, EngineDead, EngineStats, ProfileStatus]
