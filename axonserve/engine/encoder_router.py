@@ -15,6 +15,7 @@ older than `encode_timeout_s` fails its request (500). The scheduler never waits
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -73,6 +74,8 @@ class EncoderRouter(Actor):
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.encoders: dict[bytes, int] = {}  # live encoder identity -> jobs in flight
         self.dead: set[bytes] = set()
+        self.last_used: dict[bytes, int] = {}
+        self._dispatches = itertools.count()
         self.expected = {f"encoder-{i}".encode() for i in range(self.config.encoder_workers)}
         self.jobs: dict[str, _Job] = {}  # request id -> job (waiting or on an encoder)
         self.backlog: list[_Job] = []  # no encoder has announced itself yet
@@ -161,8 +164,10 @@ class EncoderRouter(Actor):
             self.jobs.pop(job.request_id, None)
             await self._reply_error(job.request_id, "no image encoder is alive", 503)
             return
-        enc = min(self.encoders, key=self.encoders.__getitem__)
+        # fewest jobs in flight; ties: the one used longest ago (round robin)
+        enc = min(self.encoders, key=lambda e: (self.encoders[e], self.last_used.get(e, -1)))
         self.encoders[enc] += 1
+        self.last_used[enc] = next(self._dispatches)
         job.encoder, job.started = enc, time.monotonic()
         msg = EncodeImages(job.request_id, job.misses, job.pixel_ref)
         await self.sock.send_multipart([enc, *Codec.encode(msg, [job.pixels])], copy=False)

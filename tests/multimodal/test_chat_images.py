@@ -68,6 +68,10 @@ def image_part(url: str) -> dict:
 
 def ask(http: httpx.Client, *parts, n: int = N) -> httpx.Response:
     content = [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
+    return post_chat(http, content, n)
+
+
+def post_chat(http: httpx.Client, content: list, n: int = N) -> httpx.Response:
     return http.post("/v1/chat/completions", json={
         "model": "m", "messages": [{"role": "user", "content": content}],
         "max_tokens": n, "min_tokens": n, "temperature": 0})
@@ -79,15 +83,15 @@ def reference(model_dir: str, parts: tuple) -> str:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    msg = [{"role": "user", "content": [{"type": "text", "text": p} if isinstance(p, str) else
-                                        image_part(data_url(png_bytes(p))) for p in parts]}]
+    msg = [{"role": "user", "content": as_parts(parts)}]
     text, imgs = render(tok, msg, "<image>")
     _, toks = hf_llava_greedy(model_dir, text, imgs, N)
     return tok.decode(toks, skip_special_tokens=True)
 
 
 def as_parts(parts: tuple) -> list:
-    return [p if isinstance(p, str) else image_part(data_url(png_bytes(p))) for p in parts]
+    """Content parts for text (str) and image seeds (int)."""
+    return [{"type": "text", "text": p} if isinstance(p, str) else image_part(data_url(png_bytes(p))) for p in parts]
 
 
 @pytest.mark.timeout(300)
