@@ -3,9 +3,9 @@
 One ROUTER socket: the scheduler's DEALER sends `EncodeImages` (every image of a request)
 and gets one `ImagesEncoded` back with the features of all of them, in order; each encoder's
 DEALER announces itself with `Hello`, then takes jobs. Features are cached by image hash
-(LRU, bounded in bytes), so a repeated image is never encoded twice; only the misses of a
-request go to an encoder (the one with the fewest jobs in flight). Frames stay raw bytes:
-this process never imports torch.
+(LRU, bounded in bytes), so a repeated image is never encoded twice (nor while its first
+encoding is under way); only the misses of a request go to an encoder, the one with the
+fewest jobs in flight. Frames stay raw bytes: this process never imports torch.
 
 Faults: the supervisor tells the router when an encoder dies (an encoder's death does not
 stop the engine); its jobs go to another encoder, or fail with 503 when none is left. A job
@@ -57,13 +57,25 @@ class FeatureCache:
 
 @dataclass
 class _Job:
+    """Images one encoder computes (the misses of the request that created the job)."""
+
     request_id: str
-    hashes: list[str]  # every image of the request
-    misses: list[str]  # the ones an encoder computes
+    misses: list[str]
     pixels: bytes  # the misses' pixel rows
     pixel_ref: TensorRef  # dtype and shape of `pixels`
     encoder: bytes = b""
     started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Pending:
+    """A request waiting for features: its own job's, or another request's job for the
+    same image (an image already being encoded is never encoded twice)."""
+
+    hashes: list[str]  # every image of the request, in order
+    waiting: set[str]  # hashes whose features are still being computed
+    fresh: dict = field(default_factory=dict)  # hash -> features computed for it
+    num_cached: int = 0
 
 
 class EncoderRouter(Actor):
@@ -77,7 +89,8 @@ class EncoderRouter(Actor):
         self.last_used: dict[bytes, int] = {}
         self._dispatches = itertools.count()
         self.expected = {f"encoder-{i}".encode() for i in range(self.config.encoder_workers)}
-        self.jobs: dict[str, _Job] = {}  # request id -> job (waiting or on an encoder)
+        self.jobs: dict[str, _Job] = {}  # request id -> its job (waiting or on an encoder)
+        self.pending: dict[str, _Pending] = {}  # request id -> features still to come
         self.backlog: list[_Job] = []  # no encoder has announced itself yet
         self.cache = FeatureCache(self.config.encoder_cache_mb * 2**20)
         self._stats = EncoderStats()
@@ -114,35 +127,58 @@ class EncoderRouter(Actor):
             return
         self._stats.images += n
         row = len(buf) // n
+        encoding = {h for j in self.jobs.values() for h in j.misses}
+        pending = _Pending(list(msg.hashes), set())
         misses, rows = [], []
         for i, h in enumerate(msg.hashes):
-            if self.cache.get(h) is None and h not in misses:
+            if self.cache.get(h) is not None or h in pending.waiting:
+                continue
+            pending.waiting.add(h)
+            if h not in encoding:
                 misses.append(h)
                 rows.append(bytes(buf[i * row:(i + 1) * row]))
-        cached = n - len(misses)
-        self._stats.cache_hits += cached
-        if not misses:
-            await self._reply(msg.request_id, msg.hashes, {}, cached)
-            return
-        ref = TensorRef(1, msg.pixel_values.dtype, [len(misses), *msg.pixel_values.shape[1:]])
-        job = _Job(msg.request_id, list(msg.hashes), misses, b"".join(rows), ref)
-        self.jobs[job.request_id] = job
-        await self._dispatch(job)
+        pending.num_cached = n - len(misses)
+        self._stats.cache_hits += pending.num_cached
+        self.pending[msg.request_id] = pending
+        if misses:
+            ref = TensorRef(1, msg.pixel_values.dtype, [len(misses), *msg.pixel_values.shape[1:]])
+            job = _Job(msg.request_id, misses, b"".join(rows), ref)
+            self.jobs[job.request_id] = job
+            await self._dispatch(job)
+        elif not pending.waiting:
+            await self._reply(msg.request_id)
 
-    async def _reply(self, request_id: str, hashes: list[str], fresh: dict, num_cached: int) -> None:
+    async def _reply(self, request_id: str) -> None:
         """All features of a request, in image order, as one [sum of tokens, hidden] frame."""
+        p = self.pending.pop(request_id)
         parts, shape, dtype = [], [0, 0], "float32"
-        for h in hashes:
-            item = fresh.get(h) or self.cache.get(h)
-            if item is None:  # evicted between lookup and reply: cannot happen for `fresh` ones
+        for h in p.hashes:
+            item = p.fresh.get(h) or self.cache.get(h)
+            if item is None:  # evicted between lookup and reply (a cache far too small)
                 await self._reply_error(request_id, "image features were evicted before use", 500)
                 return
             data, (tokens, hidden), dtype = item
             parts.append(data)
             shape = [shape[0] + tokens, hidden]
-        reply = ImagesEncoded(request_id, embeddings=TensorRef(1, dtype, shape), num_cached=num_cached)
+        reply = ImagesEncoded(request_id, embeddings=TensorRef(1, dtype, shape), num_cached=p.num_cached)
         await self.sock.send_multipart([SCHEDULER, *Codec.encode(reply, [b"".join(parts)])], copy=False)
         self._publish()
+
+    async def _job_done(self, job: _Job, features: dict | None, error: str = "", code: int = 500) -> None:
+        """Features for the job's images (cached, handed to every request waiting on them),
+        or its failure (every request waiting on them fails)."""
+        for rid, p in list(self.pending.items()):
+            got = p.waiting & set(job.misses)
+            if not got:
+                continue
+            if features is None:
+                self.pending.pop(rid)
+                await self._reply_error(rid, error, code)
+                continue
+            p.waiting -= got
+            p.fresh.update((h, features[h]) for h in got)
+            if not p.waiting:
+                await self._reply(rid)
 
     async def _reply_error(self, request_id: str, error: str, code: int) -> None:
         self.log.warning("encode_failed", request_id=request_id, error=error)
@@ -162,7 +198,7 @@ class EncoderRouter(Actor):
                 self.backlog.append(job)
                 return
             self.jobs.pop(job.request_id, None)
-            await self._reply_error(job.request_id, "no image encoder is alive", 503)
+            await self._job_done(job, None, "no image encoder is alive", 503)
             return
         # fewest jobs in flight; ties: the one used longest ago (round robin)
         enc = min(self.encoders, key=lambda e: (self.encoders[e], self.last_used.get(e, -1)))
@@ -192,16 +228,17 @@ class EncoderRouter(Actor):
         ref = msg.embeddings
         buf = ref_frame(ref, frames) if ref is not None else (msg.error or "no features")
         if isinstance(buf, str) or ref is None or len(ref.shape) != 3 or ref.shape[0] != len(job.misses):
-            await self._reply_error(job.request_id, f"encoder {ident.decode(errors='replace')} failed: "
-                                    f"{buf if isinstance(buf, str) else 'bad feature shape'}", msg.error_code or 500)
+            why = buf if isinstance(buf, str) else "bad feature shape"
+            await self._job_done(job, None, f"encoder {ident.decode(errors='replace')} failed: {why}",
+                                 msg.error_code or 500)
             return
         data = bytes(frame_bytes(buf))
         row = len(data) // len(job.misses)
-        fresh = {}
+        features = {}
         for i, h in enumerate(job.misses):
-            fresh[h] = (data[i * row:(i + 1) * row], list(ref.shape[1:]), ref.dtype)
-            self.cache.put(h, fresh[h])
-        await self._reply(job.request_id, job.hashes, fresh, len(job.hashes) - len(job.misses))
+            features[h] = (data[i * row:(i + 1) * row], list(ref.shape[1:]), ref.dtype)
+            self.cache.put(h, features[h])
+        await self._job_done(job, features)
 
     async def on_peer_failed(self, name: str, reason: str) -> None:
         """An encoder died: its jobs go to the others (or fail when none is left)."""
@@ -228,4 +265,4 @@ class EncoderRouter(Actor):
                     self.backlog.remove(job)
                 if job.encoder in self.encoders:
                     self.encoders[job.encoder] -= 1
-                await self._reply_error(job.request_id, f"image encoding took longer than {timeout:.0f}s", 500)
+                await self._job_done(job, None, f"image encoding took longer than {timeout:.0f}s")

@@ -35,6 +35,12 @@ CASES = [
 ]
 
 
+def swap_images(messages: list[dict], image: bytes) -> list[dict]:
+    """The same messages with every image replaced by `image`."""
+    return [{**m, "content": [{"type": "image_url", "image_url": {"url": data_url(image)}}
+                              if p.get("type") == "image_url" else p for p in m["content"]]} for m in messages]
+
+
 def render(tokenizer, messages: list[dict], image_token: str) -> tuple[str, list[bytes]]:
     """The prompt text HF's processor gets (one image token per image) and the image bytes."""
     import base64
@@ -54,6 +60,8 @@ async def run_engine(config: EngineConfig, cases: list[list[dict]]):
         assert images is not None
         params = SamplingParams(temperature=0.0, max_tokens=N, min_tokens=N)
 
+        cached: list[int] = []
+
         async def one(i: int, messages: list[dict]) -> tuple[list[int], list[int]]:
             await asyncio.sleep(0.03 * i)  # later ones join while earlier ones decode
             msgs, urls = take_images(messages, images.image_token)
@@ -65,10 +73,16 @@ async def run_engine(config: EngineConfig, cases: list[list[dict]]):
             async for out in client.generate(ids, params, images=mm):
                 assert out.error is None, out.error
                 toks.extend(out.token_ids)
+            cached.append(out.num_cached_tokens)
             return ids, toks
 
         got = await asyncio.wait_for(asyncio.gather(*(one(i, c) for i, c in enumerate(cases))), 240)
-        return got, await client.get_stats()
+        stats = await client.get_stats()
+        # prefix cache: the same prompt with the same image hits, with another image it must not
+        cached.clear()
+        await one(0, cases[0])
+        await one(0, swap_images(cases[0], png_bytes(99)))
+        return got, stats, cached
     finally:
         client.close()
         await sup.stop("test done")
@@ -81,7 +95,7 @@ async def test_llava_greedy_matches_transformers(tiny_llava_dir, encoders):
 
     config = EngineConfig(model=tiny_llava_dir, block_size=4, num_kv_blocks=400, max_num_batched_tokens=32,
                           encoder_workers=encoders, log_level="warning", threads=1)
-    got, stats = await run_engine(config, CASES)
+    got, stats, (same_image, other_image) = await run_engine(config, CASES)
     tok = AutoTokenizer.from_pretrained(tiny_llava_dir)
     for (ids, toks), messages in zip(got, CASES):
         text, imgs = render(tok, messages, "<image>")
@@ -89,5 +103,6 @@ async def test_llava_greedy_matches_transformers(tiny_llava_dir, encoders):
         assert ids == want_ids  # placeholder expansion as LlavaProcessor's
         assert toks == want
     assert stats.mm_images == 4
+    assert same_image > 0 and other_image == 0  # image hashes are part of the block hashes
     if encoders:
         assert stats.mm_cache_hits >= 1  # the repeated image was not encoded again
