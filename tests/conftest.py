@@ -159,32 +159,12 @@ IMAGE_SIZE, PATCH = 32, 8  # 16 patches per image: 16 image tokens ("default" dr
 
 def make_tiny_llava(out_dir: str, tokenizer_dir: str, seed: int = 0) -> str:
     """Random-weight LLaVA (CLIP 2 layers, hidden 32 -> projector -> the tiny Llama decoder) with
-    a LlavaProcessor: the tokenizer plus an `<image>` token and a 32-pixel CLIPImageProcessor.
-    Matrices N(0, 0.1) as in make_tiny_model, so logits are well apart."""
-    import torch
-    from transformers import AutoTokenizer, CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration
-    from transformers import LlavaProcessor
+    a LlavaProcessor: the tokenizer plus an `<image>` token and a 32-pixel CLIPImageProcessor."""
+    from axonserve.bench.mm_ttft import make_random_llava
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    tok.add_tokens(["<image>"], special_tokens=True)
-    image_id = tok.convert_tokens_to_ids("<image>")
-    text = {**TINY_DECODER, "vocab_size": len(tok) + 7, "max_position_embeddings": 512, "model_type": "llama"}
-    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32)
-    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_id,
-                      projector_hidden_act="gelu", vision_feature_layer=-2,
-                      vision_feature_select_strategy="default", image_seq_length=(IMAGE_SIZE // PATCH) ** 2)
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.1)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    images = CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
-    LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=PATCH, vision_feature_select_strategy="default",
-                   num_additional_image_tokens=1, chat_template=tok.chat_template).save_pretrained(out_dir)
-    return out_dir
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=IMAGE_SIZE, patch_size=PATCH)
+    return make_random_llava(out_dir, tokenizer_dir, vision, {**TINY_DECODER, "max_position_embeddings": 512}, seed)
 
 
 @pytest.fixture(scope="session")
@@ -194,15 +174,9 @@ def tiny_llava_dir(tmp_path_factory, smollm2_dir) -> str:
 
 def png_bytes(seed: int, size: tuple[int, int] = (40, 48)) -> bytes:
     """A random RGB PNG (resized and cropped to 32x32 by the processor)."""
-    import io
+    from axonserve.bench.mm_ttft import png_bytes as png
 
-    import numpy as np
-    from PIL import Image
-
-    arr = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
-    return buf.getvalue()
+    return png(seed, size)
 
 
 def data_url(data: bytes, mime: str = "image/png") -> str:
