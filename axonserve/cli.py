@@ -71,6 +71,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="hosts image_url may fetch http(s) images from ('*': any); default: data: URLs only")
     p.add_argument("--max-image-bytes", type=int, default=10 * 2**20, help="largest image accepted (encoded bytes)")
     p.add_argument("--max-images-per-request", type=int, default=8)
+    p.add_argument("--role", default="both", choices=["both", "decode"],
+                   help="prefill/decode disaggregation: decode = this engine's worker ranks only decode; a "
+                        "prefill pool (its own scheduler and ranks) computes prompts and moves their KV over")
     p.add_argument("--log-format", default="console", choices=["console", "json"])
     p.add_argument("--log-level", default="info")
     p.add_argument("--profile-dir", default=os.environ.get("VLLM_TORCH_PROFILER_DIR", ""), metavar="DIR",
@@ -144,6 +147,7 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         profile_dir=os.path.abspath(args.profile_dir) if args.profile_dir else "",
         snapshot=args.snapshot or "",
         encoder_workers=args.encoder_workers,
+        role=args.role,
         encoder_cache_mb=args.encoder_cache_mb,
         allowed_media_domains=list(args.allowed_media_domains),
         max_image_bytes=args.max_image_bytes,

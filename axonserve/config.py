@@ -42,6 +42,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     allowed_media_domains: list[str] = []  # hosts image_url may fetch http(s) from ("*": any); none: data: URLs only
     max_image_bytes: int = 10 * 2**20  # one image, encoded (PNG/JPEG...) bytes
     max_images_per_request: int = 8
+    # prefill/decode disaggregation (engine/disagg.py): both = one engine does everything;
+    # decode = this engine decodes while a prefill engine (its own scheduler + worker pool, which
+    # the supervisor starts with role prefill) computes prompts and sends their KV
+    role: str = "both"  # both | prefill | decode
     # frontend
     host: str = "127.0.0.1"
     port: int = 8000
@@ -80,6 +84,7 @@ class Addresses(msgspec.Struct, kw_only=True):
     dist_init: str = ""  # torch.distributed init_method for worker ranks (tcp://host:port)
     snapshot: str = ""  # worker rank 0 PUSH (non-blocking) -> snapshot sink PULL
     router: str = ""  # encoder router ROUTER: the scheduler's and every encoder's DEALER
+    prefill: str = ""  # P/D: the prefill engine's scheduler ROUTER (the decode scheduler is its client)
 
     @classmethod
     def in_dir(cls, d: str, dist_port: int = 0) -> "Addresses":

@@ -80,6 +80,7 @@ class Supervisor:
         self.failure: tuple[str, str] | None = None
         self._failed = asyncio.Event()
         self._all_ready = asyncio.Event()
+        self._configured: set[str] = set()  # schedulers sent their Configure
         self._stopped = False
         self._tasks: list[asyncio.Task] = []
 
@@ -103,6 +104,8 @@ class Supervisor:
                                    addresses=self.addresses))
             specs.append(ActorSpec(kind="metrics", name="metrics", config=self.config,
                                    addresses=self.addresses))
+        if self.config.role == "decode" and not self.workers_only:
+            specs += self._prefill_pool()
         if self.config.encoder_workers and not self.workers_only:  # multimodal: the encoder pool
             specs.append(ActorSpec(kind="router", name="router", config=self.config, addresses=self.addresses))
             specs += [ActorSpec(kind="encoder", name=f"encoder-{i}", config=self.config, addresses=self.addresses)
@@ -135,6 +138,23 @@ class Supervisor:
             raise StartupError(f"{who}: {why}")
         log.info("engine_ready", seconds=round(time.monotonic() - t0, 2),
                  actors=len(self.children), **self.engine_facts())
+
+    def _prefill_pool(self) -> list[ActorSpec]:
+        """P/D: a second engine (scheduler + worker ranks) that only prefills, on its own
+        sockets; the decode scheduler is its client."""
+        d = self.run_dir
+        cfg = msgspec.structs.replace(self.config, role="prefill", encoder_workers=0)
+        port = 0
+        while cfg.num_workers > 1 and port in (0, cfg.port):
+            port = free_port()
+        addrs = msgspec.structs.replace(
+            self.addresses, engine=f"ipc://{d}/prefill-engine", plan=f"ipc://{d}/prefill-plan",
+            result=f"ipc://{d}/prefill-result", dist_init=f"tcp://127.0.0.1:{port}" if port else "",
+            snapshot="", router="", prefill="")
+        self.addresses.prefill = addrs.engine
+        return [ActorSpec(kind="worker", name=f"prefill-worker-{r}", config=cfg, addresses=addrs, rank=r)
+                for r in range(cfg.num_workers)] + [
+            ActorSpec(kind="scheduler", name="prefill-scheduler", config=cfg, addresses=addrs)]
 
     def engine_facts(self) -> dict:
         s = self.children.get("scheduler")
@@ -180,22 +200,28 @@ class Supervisor:
                 log.warning("unexpected_control_message", sender=name, type=type(msg).__name__)
 
     async def _on_ready(self) -> None:
-        workers = [c for c in self.children.values() if c.spec.kind == "worker"]
-        sched = self.children.get("scheduler")
-        if (sched is not None and all(w.ready for w in workers) and not sched.ready
-                and not getattr(self, "_configured", False)):
-            self._configured = True
-            w0 = workers[0].info
-            info = {
-                "num_kv_blocks": min(int(w.info["num_kv_blocks"]) for w in workers),
-                "max_model_len": int(w0["max_model_len"]),
-                "eos_token_ids": list(w0["eos_token_ids"]),
-                "vocab_size": int(w0["vocab_size"]),
-                **{k: w0[k] for k in IMAGE_INFO if k in w0},  # vision-language models
-            }
-            await self._send("scheduler", Configure(info))
+        configured = self._configured
+        for sched in [c for c in self.children.values() if c.spec.kind == "scheduler"]:
+            # each scheduler's workers: the ranks on its plan socket (P/D: two engines)
+            workers = [c for c in self.children.values()
+                       if c.spec.kind == "worker" and c.spec.addresses.plan == sched.spec.addresses.plan]
+            if sched.spec.name not in configured and all(w.ready for w in workers) and not sched.ready:
+                configured.add(sched.spec.name)
+                await self._configure(sched.spec.name, workers)
         if all(c.ready for c in self.children.values()):
             self._all_ready.set()
+
+    async def _configure(self, name: str, workers: list[_Child]) -> None:
+        """Facts the workers measured (KV blocks, limits, image sizes) -> their scheduler."""
+        w0 = workers[0].info
+        info = {
+            "num_kv_blocks": min(int(w.info["num_kv_blocks"]) for w in workers),
+            "max_model_len": int(w0["max_model_len"]),
+            "eos_token_ids": list(w0["eos_token_ids"]),
+            "vocab_size": int(w0["vocab_size"]),
+            **{k: w0[k] for k in IMAGE_INFO if k in w0},  # vision-language models
+        }
+        await self._send(name, Configure(info))
 
     async def _watch_loop(self) -> None:
         while True:

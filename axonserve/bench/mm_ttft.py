@@ -110,12 +110,13 @@ async def run_load(base_url: str, reqs: list[tuple[str, list]], concurrency: int
                 if r.status_code != 200:
                     errors += 1
                     return
+                first = None
                 async for line in r.aiter_lines():
-                    if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
-                        ttft[kind].append(time.perf_counter() - t0)
-                        break
-                async for _ in r.aiter_lines():
-                    pass
+                    if first is None and line.startswith("data: {") and '"content":"' in line \
+                            and '"content":""' not in line:
+                        first = time.perf_counter() - t0
+                if first is not None:
+                    ttft[kind].append(first)
 
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=300) as http:

@@ -12,7 +12,7 @@ import time
 
 from typing import Any
 
-from axonserve.protocol.messages import MultiModalInput, PoolingParams, SamplingParams, TokenLogprobs
+from axonserve.protocol.messages import KVBlocks, MultiModalInput, PoolingParams, SamplingParams, TokenLogprobs
 
 
 class Status(enum.IntEnum):
@@ -52,6 +52,9 @@ class Request:
         "pooling",
         "mm",
         "mm_frames",
+        "kv_export",
+        "kv",
+        "kv_frames",
     )
 
     def __init__(
@@ -101,6 +104,11 @@ class Request:
         # `mm_frames[field]` (raw buffers the scheduler forwards to the workers as they are)
         self.mm: MultiModalInput | None = None
         self.mm_frames: dict[str, Any] = {}
+        # prefill/decode disaggregation: export the prompt KV (prefill engine), or the imported
+        # prompt KV (decode engine: its first `kv.num_tokens` tokens are never computed here)
+        self.kv_export = False
+        self.kv: KVBlocks | None = None
+        self.kv_frames: dict[str, Any] = {}
 
     @property
     def num_tokens(self) -> int:

@@ -21,6 +21,7 @@ import zmq
 from axonserve import __version__
 from axonserve.actors.runtime import Actor
 from axonserve.engine.buckets import BucketConfig
+from axonserve.engine.disagg import PrefillPool, attach_kv, exported_kv
 from axonserve.engine.images import ImageSpec, check_images, ref_frame
 from axonserve.engine.request import Request, Status
 from axonserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -36,6 +37,7 @@ from axonserve.protocol.messages import (
     GetEngineInfo,
     GetStats,
     ImagesEncoded,
+    KVBlocks,
     Outputs,
     ParamError,
     ProfileAck,
@@ -124,6 +126,10 @@ class SchedulerActor(Actor):
         self.encoder_router = self.socket(zmq.DEALER, a.router, identity=b"scheduler") \
             if self.config.encoder_workers and a.router else None
         self.mm_images = self.mm_cache_hits = 0
+        # P/D disaggregation: a decode engine hands prompts to the prefill engine first
+        self.prefill = PrefillPool(self, a.prefill) \
+            if self.config.role == "decode" else None
+        self.kv_rows: dict = {}  # P/D prefill: the last result's exported KV, by request id
         return {"num_kv_blocks": self.sched.cfg.num_kv_blocks, "max_model_len": max_len}
 
     async def _wait_subscribers(self, n: int) -> None:
@@ -141,6 +147,8 @@ class SchedulerActor(Actor):
         ]
         if self.encoder_router is not None:
             tasks.append(asyncio.create_task(self._encoded_loop(), name="encoded"))
+        if self.prefill is not None:
+            tasks.append(asyncio.create_task(self.prefill.run(), name="prefilled"))
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for t in done:
@@ -166,6 +174,8 @@ class SchedulerActor(Actor):
             elif isinstance(msg, AbortRequest):
                 aborted = self.sched.abort(msg.request_ids)
                 aborted += [r for r in map(self.encoding.pop, msg.request_ids, [None] * len(msg.request_ids)) if r]
+                if self.prefill is not None:
+                    aborted += await self.prefill.abort(msg.request_ids)
                 if aborted:
                     await self._send_deltas([self._final(r) for r in aborted])
             elif isinstance(msg, GetStats):
@@ -215,7 +225,10 @@ class SchedulerActor(Actor):
             arrival_time=msg.arrival_time or None,
             pooling=msg.pooling,
         )
+        req.kv_export = msg.kv_export and self.config.role == "prefill"
         why = self.sched.check(req)
+        if why is None and self.prefill is not None:
+            why = self.prefill.dead or self.prefill.check(req)
         if why is None and msg.mm is not None:
             why, req.mm_frames = check_images(msg.mm, msg.prompt_token_ids, frames, self.image_spec)
             req.mm, req.extra_keys = msg.mm, tuple(msg.mm.hashes)  # different images: different KV blocks
@@ -231,10 +244,14 @@ class SchedulerActor(Actor):
                 await self.encoder_router.send_multipart(
                     Codec.encode(EncodeImages(req.request_id, req.mm.hashes, ref), [pixels]), copy=False)
                 return
-        self._queue(req)
+        await self._queue(req)
 
-    def _queue(self, req: Request) -> None:
-        """Into the scheduler's waiting queue: it runs from the next step on."""
+    async def _queue(self, req: Request) -> None:
+        """Into the scheduler's waiting queue: it runs from the next step on (P/D decode: once
+        the prefill engine has sent its first token and KV)."""
+        if self.prefill is not None and req.kv is None and req.pooling is None:
+            await self.prefill.send(req)
+            return
         self.sched.add(req)
         self._owner[req.request_id] = req.client
         self.log.debug("request.added", request_id=req.request_id, prompt_tokens=req.num_prompt_tokens,
@@ -265,7 +282,25 @@ class SchedulerActor(Actor):
             assert req.mm is not None and msg.embeddings is not None
             req.mm = msgspec.structs.replace(req.mm, pixel_values=None, embeddings=msg.embeddings)
             req.mm_frames = {"embeddings": buf}
-            self._queue(req)
+            await self._queue(req)
+
+    async def first_token(self, req: Request, d: RequestDelta, kv: KVBlocks, bufs: list) -> None:
+        """P/D decode: the prefill engine's first token goes out now; the request then decodes
+        here on the prompt's imported KV (its images are no longer needed: never recomputed)."""
+        now = time.monotonic()
+        done = req.append_token(d.new_token_ids[0], self.sched.cfg.eos_token_ids)
+        req.t_first = req.t_last = now
+        self.sched.ttft.append(now - req.t_arrival)
+        self.sched.generation_tokens += 1
+        delta = RequestDelta(req.request_id, d.new_token_ids[:1], logprobs=d.logprobs,
+                             prompt_logprobs=d.prompt_logprobs, num_prompt_tokens=req.num_prompt_tokens)
+        if done:
+            delta.finish_reason, delta.stop_reason = req.finish_reason, req.stop_reason
+        else:
+            req.kv, req.kv_frames = kv, {"blocks": bufs}
+            req.mm, req.mm_frames = None, {}
+            await self._queue(req)
+        await self._send(req.client, Outputs([delta], time.time()))
 
     def _engine_stats(self) -> EngineStats:
         return EngineStats(num_rejected_overload=self.num_rejected_overload, mm_images=self.mm_images,
@@ -362,6 +397,7 @@ class SchedulerActor(Actor):
             frames = recv.result()
             reply, _ = _result_codec.decode(frames)
             self.pooled_rows = _pooled_rows(reply, frames) if isinstance(reply, StepResult) else {}
+            self.kv_rows = exported_kv(reply, frames) if isinstance(reply, StepResult) else {}
         except DecodeError as e:
             await self._fail(f"undecodable worker reply: {e}")
             return None
@@ -396,6 +432,8 @@ class SchedulerActor(Actor):
         self._work.set()
         failed = self.sched.abort_all("error") + list(self.encoding.values())
         self.encoding.clear()
+        if self.prefill is not None:
+            failed += self.prefill.take_all()
         deltas = [self._final(r, error=reason) for r in failed]
         if deltas:
             await self._send_deltas(deltas)
@@ -441,6 +479,8 @@ class SchedulerActor(Actor):
                 if row is not None:
                     frames.append(row)
                     d.embedding = TensorRef(len(frames), "float32", [len(row) // 4])
+                if d.request_id in self.kv_rows:  # P/D prefill: the prompt's KV rides along
+                    attach_kv(d, self.kv_rows.pop(d.request_id), frames)
             await self._send(ident, Outputs(ds, now), frames)
 
 

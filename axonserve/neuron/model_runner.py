@@ -24,6 +24,7 @@ from axonserve.engine.buckets import BucketConfig
 from axonserve.neuron.config import ModelConfig
 from axonserve.neuron.loader import load_model
 from axonserve.neuron.models.bert import EncoderBatch
+from axonserve.neuron.kv_transfer import export_kv, import_kv
 from axonserve.neuron.multimodal import ImageEncoderCache, RequestImages, batch_rows
 from axonserve.neuron.ops.attention import AttentionMetadata, build_static
 from axonserve.neuron.parallel import CollectiveError, TPInfo, init_tensor_parallel, tp_broadcast_ids
@@ -58,6 +59,7 @@ class RequestState:
     grammar: Any = None  # structured output: GrammarState, made at first sampling (rank 0)
     pooling: PoolingParams | None = None  # embed task: pooled once its whole prompt ran
     images: RequestImages | None = None  # multimodal: placeholder positions and their features
+    kv_export: bool = False  # P/D prefill: its prompt KV leaves with its first token
 
 
 def mem_available_bytes() -> int:
@@ -194,6 +196,9 @@ class ModelRunner:
                 if self.images is None:
                     raise ValueError(f"request {nr.request_id} has images but the model takes none")
                 st.images = self.images.request_images(nr.mm, self._frames)
+            if nr.kv is not None:  # P/D decode: the prompt's KV computed by a prefill worker
+                import_kv(self.kv_caches, st.block_ids, self.block_size, nr.kv, self._frames)
+            st.kv_export = nr.kv_export
             self.requests[nr.request_id] = st
             scheduled.append(st)
         for cr in plan.cached:
@@ -252,7 +257,10 @@ class ModelRunner:
         logits = None
         if samplers:
             logits = self.model.compute_logits(hidden[torch.tensor([last_tok[st.request_id] for st in samplers])])
-        return self._sample(plan, samplers, logits, prompt_logprobs=prompt_lps)
+        first = [st for st in samplers if st.kv_export and len(st.token_ids) == st.num_prompt_tokens]
+        kv = [export_kv(self.kv_caches, st.block_ids, self.block_size, st.num_prompt_tokens, st.request_id,
+                        self.result_tensors) for st in first]  # P/D prefill: the prompt KV leaves
+        return self._sample(plan, samplers, logits, prompt_logprobs=prompt_lps, kv_exports=kv)
 
     def _execute_pooling(self, plan: StepPlan, work: list[tuple[RequestState, int]]) -> StepResult:
         """Encoder step: each scheduled request is a whole prompt; one forward, one pooled

@@ -150,6 +150,16 @@ class MultiModalInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     embeddings: TensorRef | None = None  # [sum(lengths), hidden]: the features, already encoded
 
 
+class KVBlocks(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Prefill/decode disaggregation: a request's prompt KV, moved block by block, each block
+    one extra frame [layers, 2 (K, V), block_size, kv_heads, head_dim] (the last block may
+    hold slots past `num_tokens`; they are ignored)."""
+
+    num_tokens: int
+    blocks: list[TensorRef]
+    request_id: str = ""
+
+
 class AddRequest(_Msg, tag=1):
     request_id: str
     prompt_token_ids: list[int]
@@ -158,6 +168,7 @@ class AddRequest(_Msg, tag=1):
     priority: int = 0
     pooling: PoolingParams | None = None  # set: an embed request (params are then unused)
     mm: MultiModalInput | None = None  # images (vision-language models)
+    kv_export: bool = False  # P/D: send the prompt's KV back with the first token (delta.kv)
 
 
 class AbortRequest(_Msg, tag=2):
@@ -197,6 +208,7 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     # prompt_logprobs requests: entries for prompt tokens 1.. (token 0 has none), sent once,
     # with the first new token
     prompt_logprobs: list[TokenLogprobs] | None = None
+    kv: KVBlocks | None = None  # kv_export requests: the prompt's KV, extra frames of `Outputs`
 
 
 class Outputs(_Msg, tag=10):
@@ -259,6 +271,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     params: SamplingParams
     pooling: PoolingParams | None = None
     mm: MultiModalInput | None = None  # its frames are extra frames of the StepPlan
+    kv_export: bool = False  # P/D prefill: export the prompt's KV when the first token is sampled
+    kv: KVBlocks | None = None  # P/D decode: the prompt's KV to import (extra frames of the StepPlan)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -304,6 +318,7 @@ class StepResult(_Msg, tag=21):
     # pooling requests finished this step and their vectors: a [len, dim] float32 extra frame
     pooled_request_ids: list[str] = []
     pooled: TensorRef | None = None
+    kv_exports: list[KVBlocks] = []  # P/D prefill: prompt KV of kv_export requests sampled this step
 
 
 # --------------------------------------------------------------------------- control plane
