@@ -89,6 +89,9 @@ class Supervisor:
     async def start(self) -> None:
         """Spawn every actor and wait until all are Ready; StartupError otherwise."""
         t0 = time.monotonic()
+        if self.config.role == "decode" and (self.config.num_workers > 1 or self.config.bucketing):
+            raise StartupError("--role decode needs one worker rank per pool and no bucketing: moving "
+                               "tensor-parallel shards or bucketed steps' KV is not implemented")
         self.ctx = zmq.asyncio.Context()
         self.control = self.ctx.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)

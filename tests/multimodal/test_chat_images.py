@@ -50,8 +50,8 @@ def image_host():
 @pytest.fixture(scope="module")
 def server(tiny_llava_dir):
     args = ("--encoder-workers", "2", "--served-model-name", "m", "--num-kv-blocks", "400", "--block-size", "4",
-            "--max-model-len", "256", "--allowed-media-domains", "127.0.0.1", "--max-images-per-request", "3", "--threads", "1",
-            "--max-image-bytes", "200000")
+            "--max-model-len", "256", "--allowed-media-domains", "127.0.0.1", "--max-images-per-request", "3",
+            "--threads", "1", "--max-image-bytes", "200000")
     with serve(tiny_llava_dir, *args) as srv:
         yield srv
 
