@@ -115,7 +115,8 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.snapshots = StepSnapshots.from_config(self.model, config.snapshot, rank)  # --snapshot capture
         # vision-language models: images of requests whose plan brings pixels are encoded here
-        self.images = ImageEncoderCache(self.model, self.dtype) if getattr(self.model, "is_multimodal", False) else None
+        self.images = ImageEncoderCache(self.model, self.dtype, config.encoder_cache_mb * 2**20) \
+            if getattr(self.model, "is_multimodal", False) else None
         if self.images is not None and self.buckets is not None:
             raise ValueError("bucketing mode is not supported for multimodal models")
         self._frames: Sequence[Any] = ()  # the current plan's extra frames (multimodal inputs)

@@ -31,28 +31,31 @@ def placeholder_positions(mm: MultiModalInput) -> torch.Tensor:
 
 
 class ImageEncoderCache:
-    """Features by image hash (LRU), so a repeated image is encoded once per worker."""
+    """Features by image hash (LRU within a byte budget), so a repeated image is encoded once
+    per worker."""
 
-    def __init__(self, model: Any, dtype: torch.dtype, capacity: int = 256):
-        self.model, self.dtype, self.capacity = model, dtype, capacity
+    def __init__(self, model: Any, dtype: torch.dtype, capacity_bytes: int = 256 * 2**20):
+        self.model, self.dtype, self.capacity = model, dtype, capacity_bytes
         self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self.hits = self.encoded = 0
+        self.size = self.hits = self.encoded = 0
 
     def encode(self, hashes: list[str], pixels: torch.Tensor) -> torch.Tensor:
         """[images, tokens, hidden] for the images, encoding only the ones not cached."""
-        miss = [i for i, h in enumerate(hashes) if h not in self.cache]
+        first = {h: i for i, h in reversed(list(enumerate(hashes)))}  # an image twice: encoded once
+        miss = [i for h, i in first.items() if h not in self.cache]
         if miss:
             feats = self.model.encode_images(pixels[miss].to(self.dtype))
             for i, f in zip(miss, feats):
                 self.cache[hashes[i]] = f
+                self.size += f.nbytes
             self.encoded += len(miss)
         self.hits += len(hashes) - len(miss)
         out = []
         for h in hashes:
             self.cache.move_to_end(h)
             out.append(self.cache[h])
-        while len(self.cache) > self.capacity:
-            self.cache.popitem(last=False)
+        while self.size > self.capacity and self.cache:
+            self.size -= self.cache.popitem(last=False)[1].nbytes
         return torch.stack(out)
 
     def request_images(self, mm: MultiModalInput, frames: Sequence[Any]) -> RequestImages:

@@ -110,3 +110,21 @@ def test_clip_tower_and_projector_match_transformers(tiny_llava_dir):
         assert vision.language_model is None
         for model in (full, vision):
             torch.testing.assert_close(model.encode_images(pixels), want, rtol=1e-5, atol=1e-5)
+
+
+def test_worker_image_cache_encodes_each_image_once_within_its_budget():
+    from axonserve.neuron.multimodal import ImageEncoderCache
+
+    class Tower:
+        calls = 0
+
+        def encode_images(self, px):
+            Tower.calls += len(px)
+            return px.flatten(1)[:, None, :4].repeat(1, 2, 1)  # [n, 2 tokens, 4]: 32 bytes each
+
+    cache = ImageEncoderCache(Tower(), torch.float32, capacity_bytes=64)
+    px = torch.arange(3 * 4.0).view(3, 4)
+    out = cache.encode(["a", "b", "a"], px)
+    assert Tower.calls == 2 and torch.equal(out[0], out[2])  # "a" twice in one request: once
+    cache.encode(["c"], px[:1])
+    assert list(cache.cache) == ["a", "c"] and cache.size == 64  # "b" (least recent) evicted
