@@ -111,9 +111,8 @@ class PrefillPool:
         await self.actor.first_token(req, d, KVBlocks(d.kv.num_tokens, d.kv.blocks), bufs)
 
     async def _fail(self, req: Request, why: str, code: int) -> None:
-        self.actor.log.warning("request.failed", request_id=req.request_id, reason=why)
-        await self.actor._send(req.client, Outputs([RequestDelta(
-            req.request_id, finish_reason="error", error=why, error_code=code)]))
+        await self.actor._send_deltas([RequestDelta(req.request_id, finish_reason="error", error=why,
+                                                    error_code=code)])
 
 
 def exported_kv(result: StepResult, frames: list) -> dict[str, tuple[KVBlocks, list[memoryview]]]:

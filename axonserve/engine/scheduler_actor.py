@@ -173,7 +173,7 @@ class SchedulerActor(Actor):
                 await self._add(ident, msg, frames[1:])
             elif isinstance(msg, AbortRequest):
                 aborted = self.sched.abort(msg.request_ids)
-                aborted += [r for r in map(self.encoding.pop, msg.request_ids, [None] * len(msg.request_ids)) if r]
+                aborted += [r for rid in msg.request_ids if (r := self.encoding.pop(rid, None)) is not None]
                 if self.prefill is not None:
                     aborted += await self.prefill.abort(msg.request_ids)
                 if aborted:
@@ -235,6 +235,7 @@ class SchedulerActor(Actor):
         if why is not None:
             await self._send(ident, Outputs([reject(why)]))
             return
+        self._owner[req.request_id] = ident
         if req.mm is not None:
             self.mm_images += len(req.mm.hashes)
             if self.encoder_router is not None and req.mm.pixel_values is not None:  # the encoder pool encodes
@@ -253,7 +254,6 @@ class SchedulerActor(Actor):
             await self.prefill.send(req)
             return
         self.sched.add(req)
-        self._owner[req.request_id] = req.client
         self.log.debug("request.added", request_id=req.request_id, prompt_tokens=req.num_prompt_tokens,
                        max_tokens=req.params.max_tokens, priority=req.priority)
         self._work.set()
@@ -274,10 +274,9 @@ class SchedulerActor(Actor):
             self.mm_cache_hits += msg.num_cached
             buf = ref_frame(msg.embeddings, frames) if msg.embeddings is not None else msg.error or "no features"
             if isinstance(buf, str):
-                self.log.warning("request.rejected", request_id=req.request_id, reason=buf)
-                await self._send(req.client, Outputs([RequestDelta(
-                    req.request_id, finish_reason="error", error=f"image encoding failed: {buf}",
-                    error_code=msg.error_code or 500)]))
+                await self._send_deltas([RequestDelta(req.request_id, finish_reason="error",
+                                                      error=f"image encoding failed: {buf}",
+                                                      error_code=msg.error_code or 500)])
                 continue
             assert req.mm is not None and msg.embeddings is not None
             req.mm = msgspec.structs.replace(req.mm, pixel_values=None, embeddings=msg.embeddings)
@@ -296,11 +295,11 @@ class SchedulerActor(Actor):
                              prompt_logprobs=d.prompt_logprobs, num_prompt_tokens=req.num_prompt_tokens)
         if done:
             delta.finish_reason, delta.stop_reason = req.finish_reason, req.stop_reason
-        else:
+        await self._send_deltas([delta])  # before any later token of it can leave
+        if not done:
             req.kv, req.kv_frames = kv, {"blocks": bufs}
             req.mm, req.mm_frames = None, {}
             await self._queue(req)
-        await self._send(req.client, Outputs([delta], time.time()))
 
     def _engine_stats(self) -> EngineStats:
         return EngineStats(num_rejected_overload=self.num_rejected_overload, mm_images=self.mm_images,
