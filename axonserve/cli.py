@@ -67,6 +67,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, vLLM\'s shape: {"method": "ngram"|"eagle", '
                         '"num_speculative_tokens": 3, "model": HEAD_DIR, "prompt_lookup_max": 3, '
                         '"disable_by_batch_size": 4}')
+    p.add_argument("--encoder-workers", type=int, default=0, metavar="N",
+                   help="vision-language models: N encoder processes (vision tower + projector) behind a "
+                        "router actor that caches image features; 0: the worker ranks encode images")
+    p.add_argument("--encoder-cache-mb", type=int, default=256, help="the encoder router's image-feature cache")
+    p.add_argument("--allowed-media-domains", nargs="*", default=[], metavar="HOST",
+                   help="hosts image_url may fetch http(s) images from ('*': any); default: data: URLs only")
+    p.add_argument("--max-image-bytes", type=int, default=10 * 2**20, help="largest image accepted (encoded bytes)")
+    p.add_argument("--max-images-per-request", type=int, default=8)
+    p.add_argument("--role", default="both", choices=["both", "decode"],
+                   help="prefill/decode disaggregation: decode = this engine's worker ranks only decode; a "
+                        "prefill pool (its own scheduler and ranks) computes prompts and moves their KV over")
     p.add_argument("--log-format", default="console", choices=["console", "json"])
     p.add_argument("--log-level", default="info")
     p.add_argument("--profile-dir", default=os.environ.get("VLLM_TORCH_PROFILER_DIR", ""), metavar="DIR",
@@ -146,6 +157,12 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         log_level=args.log_level,
         profile_dir=os.path.abspath(args.profile_dir) if args.profile_dir else "",
         snapshot=args.snapshot or "",
+        encoder_workers=args.encoder_workers,
+        role=args.role,
+        encoder_cache_mb=args.encoder_cache_mb,
+        allowed_media_domains=list(args.allowed_media_domains),
+        max_image_bytes=args.max_image_bytes,
+        max_images_per_request=args.max_images_per_request,
         snapshot_dir=os.path.abspath(args.snapshot_dir) if args.snapshot else "",
         speculative=args.speculative_config,
         **extra,

@@ -81,6 +81,17 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     context_len_buckets: list[int] = []  # prefill chunk (query) lengths
     decode_batch_buckets: list[int] = []  # decode (token generation) batch sizes
     decode_len_buckets: list[int] = []  # KV lengths attended, both phases
+    # multimodal (vision-language models): 0 encoder workers = the worker ranks encode images
+    encoder_workers: int = 0  # encoder actor processes (vision tower + projector), fed by the router actor
+    encoder_cache_mb: int = 256  # the router's image-feature cache (by image hash)
+    encode_timeout_s: float = 60.0  # an encoder job older than this fails its request
+    allowed_media_domains: list[str] = []  # hosts image_url may fetch http(s) from ("*": any); none: data: URLs only
+    max_image_bytes: int = 10 * 2**20  # one image, encoded (PNG/JPEG...) bytes
+    max_images_per_request: int = 8
+    # prefill/decode disaggregation (engine/disagg.py): both = one engine does everything;
+    # decode = this engine decodes while a prefill engine (its own scheduler + worker pool, which
+    # the supervisor starts with role prefill) computes prompts and sends their KV
+    role: str = "both"  # both | prefill | decode
     # frontend
     host: str = "127.0.0.1"
     port: int = 8000
@@ -126,6 +137,8 @@ class Addresses(msgspec.Struct, kw_only=True):
     dist_init: str = ""  # torch.distributed init_method for worker ranks (tcp://host:port)
     snapshot: str = ""  # worker rank 0 PUSH (non-blocking) -> snapshot sink PULL
     drafter: str = ""  # drafter ROUTER (EAGLE speculative decoding) <- scheduler DEALER
+    router: str = ""  # encoder router ROUTER: the scheduler's and every encoder's DEALER
+    prefill: str = ""  # P/D: the prefill engine's scheduler ROUTER (the decode scheduler is its client)
 
     @classmethod
     def in_dir(cls, d: str, dist_port: int = 0) -> "Addresses":
@@ -139,13 +152,14 @@ class Addresses(msgspec.Struct, kw_only=True):
             dist_init=f"tcp://127.0.0.1:{dist_port}" if dist_port else "",
             snapshot=f"ipc://{d}/snapshot",
             drafter=f"ipc://{d}/drafter",
+            router=f"ipc://{d}/router",
         )
 
 
 class ActorSpec(msgspec.Struct, kw_only=True):
     """Everything a child process needs to become one actor."""
 
-    kind: str  # frontend | scheduler | worker
+    kind: str  # frontend | scheduler | worker | metrics | snapshot | router | encoder
     name: str
     config: EngineConfig
     addresses: Addresses

@@ -7,6 +7,7 @@ through the real loaders in seconds.
 from __future__ import annotations
 
 import math
+import functools
 import os
 import shutil
 from collections import Counter
@@ -170,3 +171,61 @@ def chi2(observed: Counter, probs: dict[int, float], n: int) -> tuple[float, int
     if rest_e > 0:
         cells.append((rest_o, rest_e))
     return sum((o - e) ** 2 / e for o, e in cells), len(cells) - 1
+# --------------------------------------------------------------------------- vision-language
+
+IMAGE_SIZE, PATCH = 32, 8  # 16 patches per image: 16 image tokens ("default" drops CLS)
+
+
+def make_tiny_llava(out_dir: str, tokenizer_dir: str, seed: int = 0) -> str:
+    """Random-weight LLaVA (CLIP 2 layers, hidden 32 -> projector -> the tiny Llama decoder) with
+    a LlavaProcessor: the tokenizer plus an `<image>` token and a 32-pixel CLIPImageProcessor."""
+    from axonserve.bench.mm_ttft import make_random_llava
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=IMAGE_SIZE, patch_size=PATCH)
+    return make_random_llava(out_dir, tokenizer_dir, vision, {**TINY_DECODER, "max_position_embeddings": 512}, seed)
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_dir(tmp_path_factory, smollm2_dir) -> str:
+    return make_tiny_llava(str(tmp_path_factory.mktemp("tiny-llava")), smollm2_dir)
+
+
+def png_bytes(seed: int, size: tuple[int, int] = (40, 48)) -> bytes:
+    """A random RGB PNG (resized and cropped to 32x32 by the processor)."""
+    from axonserve.bench.mm_ttft import png_bytes as png
+
+    return png(seed, size)
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    import base64
+
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def hf_llava_greedy(model_dir: str, text: str, images: list[bytes], n: int) -> tuple[list[int], list[int]]:
+    """(prompt ids, n greedy tokens) from transformers' LlavaProcessor + LlavaForConditionalGeneration
+    for a rendered prompt `text` holding one `<image>` per image."""
+    import io
+
+    import torch
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(model_dir)
+    pil = [Image.open(io.BytesIO(b)) for b in images]
+    enc = proc(text=text, images=pil or None, return_tensors="pt", add_special_tokens=False)
+    model = _hf_llava(model_dir)
+    with torch.inference_mode():
+        out = model.generate(**enc, do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+    ids = enc["input_ids"][0].tolist()
+    return ids, out[0, len(ids):].tolist()
+
+
+@functools.lru_cache(maxsize=2)
+def _hf_llava(model_dir: str):
+    import torch
+    from transformers import LlavaForConditionalGeneration
+
+    return LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()

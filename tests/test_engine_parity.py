@@ -18,7 +18,9 @@ from axonserve.protocol.messages import SamplingParams
 from conftest import hf_greedy
 
 
-async def run_staggered(config: EngineConfig, prompts: list[list[int]], n: int) -> list[list[int]]:
+async def run_staggered(config: EngineConfig, prompts: list[list[int]], n: int,
+                        stats: list | None = None) -> list[list[int]]:
+    """Each prompt's n greedy tokens; `stats` (if given) gets the engine's EngineStats after."""
     sup = Supervisor(config, frontend=False)
     await sup.start()
     client = await AsyncEngineClient.connect(sup.addresses.engine, timeout=60)
@@ -33,9 +35,12 @@ async def run_staggered(config: EngineConfig, prompts: list[list[int]], n: int) 
                 toks.extend(out.token_ids)
             return toks
 
-        return await asyncio.wait_for(
+        got = await asyncio.wait_for(
             asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))), 240
         )
+        if stats is not None:
+            stats.append(await client.get_stats())
+        return got
     finally:
         client.close()
         await sup.stop("test done")

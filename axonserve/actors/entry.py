@@ -52,6 +52,14 @@ def actor_class(kind: str):
         from axonserve.spec.drafter import DrafterActor
 
         return DrafterActor
+    if kind == "router":
+        from axonserve.engine.encoder_router import EncoderRouter
+
+        return EncoderRouter
+    if kind == "encoder":
+        from axonserve.neuron.encoder import EncoderActor
+
+        return EncoderActor
     if kind == "frontend":
         from axonserve.frontends.openai.actor import FrontendActor
 

@@ -18,6 +18,7 @@ from axonserve.actors.runtime import Actor
 from axonserve.protocol import Codec, DecodeError
 from axonserve.protocol.messages import (
     ActorAlive,
+    EncoderStats,
     GetMetrics,
     MetricsText,
     RequestStats,
@@ -93,6 +94,10 @@ class EngineMetrics:
         self.dropped = g("axonserve:stats_events_dropped", "Stats events dropped under back-pressure",
                          ["actor"])
         self.events = c("axonserve:stats_events", "Stats events received")
+        self.mm_images = c("axonserve:mm_images", "Images sent to the encoder router")
+        self.mm_cache_hits = c("axonserve:mm_encoder_cache_hits", "Images served from the encoder cache")
+        self.mm_encode = c("axonserve:mm_encode_seconds", "Time encoder jobs took (dispatch to features)")
+        self.mm_retries = c("axonserve:mm_encode_retries", "Encoder jobs re-sent after their encoder died")
 
     def apply(self, ev: object) -> None:
         m = self.model
@@ -131,6 +136,11 @@ class EngineMetrics:
             self.decode.labels(m).observe(ev.decode_s)
             if ev.generation_tokens > 1:
                 self.tpot.labels(m).observe(ev.decode_s / (ev.generation_tokens - 1))
+        elif isinstance(ev, EncoderStats):
+            self.mm_images.labels(m).inc(ev.images)
+            self.mm_cache_hits.labels(m).inc(ev.cache_hits)
+            self.mm_encode.labels(m).inc(ev.encode_s)
+            self.mm_retries.labels(m).inc(ev.retries)
         elif isinstance(ev, ActorAlive):
             self.alive.labels(m, ev.actor).set(time.time())
             self.dropped.labels(m, ev.actor).set(ev.dropped)

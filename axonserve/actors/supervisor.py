@@ -40,6 +40,7 @@ from axonserve.protocol.messages import (
 
 log = structlog.get_logger()
 _codec = Codec(Control)
+IMAGE_INFO = ("image_token_id", "image_tokens", "image_size", "hidden_size")
 
 
 class StartupError(RuntimeError):
@@ -79,6 +80,7 @@ class Supervisor:
         self.failure: tuple[str, str] | None = None
         self._failed = asyncio.Event()
         self._all_ready = asyncio.Event()
+        self._configured: set[str] = set()  # schedulers sent their Configure
         self._stopped = False
         self._tasks: list[asyncio.Task] = []
 
@@ -87,6 +89,9 @@ class Supervisor:
     async def start(self) -> None:
         """Spawn every actor and wait until all are Ready; StartupError otherwise."""
         t0 = time.monotonic()
+        if self.config.role == "decode" and (self.config.num_workers > 1 or self.config.bucketing):
+            raise StartupError("--role decode needs one worker rank per pool and no bucketing: moving "
+                               "tensor-parallel shards or bucketed steps' KV is not implemented")
         self.ctx = zmq.asyncio.Context()
         self.control = self.ctx.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
@@ -106,6 +111,12 @@ class Supervisor:
         if spec_cfg is not None and spec_cfg.uses_drafter and not self.workers_only:
             specs.append(ActorSpec(kind="drafter", name="drafter", config=self.config,
                                    addresses=self.addresses))
+        if self.config.role == "decode" and not self.workers_only:
+            specs += self._prefill_pool()
+        if self.config.encoder_workers and not self.workers_only:  # multimodal: the encoder pool
+            specs.append(ActorSpec(kind="router", name="router", config=self.config, addresses=self.addresses))
+            specs += [ActorSpec(kind="encoder", name=f"encoder-{i}", config=self.config, addresses=self.addresses)
+                      for i in range(self.config.encoder_workers)]
         if self.config.snapshot:  # tensor snapshots: the sink that writes them to disk
             specs.append(ActorSpec(kind="snapshot", name="snapshot", config=self.config,
                                    addresses=self.addresses))
@@ -134,6 +145,23 @@ class Supervisor:
             raise StartupError(f"{who}: {why}")
         log.info("engine_ready", seconds=round(time.monotonic() - t0, 2),
                  actors=len(self.children), **self.engine_facts())
+
+    def _prefill_pool(self) -> list[ActorSpec]:
+        """P/D: a second engine (scheduler + worker ranks) that only prefills, on its own
+        sockets; the decode scheduler is its client."""
+        d = self.run_dir
+        cfg = msgspec.structs.replace(self.config, role="prefill", encoder_workers=0)
+        port = 0
+        while cfg.num_workers > 1 and port in (0, cfg.port):
+            port = free_port()
+        addrs = msgspec.structs.replace(
+            self.addresses, engine=f"ipc://{d}/prefill-engine", plan=f"ipc://{d}/prefill-plan",
+            result=f"ipc://{d}/prefill-result", dist_init=f"tcp://127.0.0.1:{port}" if port else "",
+            snapshot="", router="", prefill="")
+        self.addresses.prefill = addrs.engine
+        return [ActorSpec(kind="worker", name=f"prefill-worker-{r}", config=cfg, addresses=addrs, rank=r)
+                for r in range(cfg.num_workers)] + [
+            ActorSpec(kind="scheduler", name="prefill-scheduler", config=cfg, addresses=addrs)]
 
     def engine_facts(self) -> dict:
         s = self.children.get("scheduler")
@@ -179,27 +207,34 @@ class Supervisor:
                 log.warning("unexpected_control_message", sender=name, type=type(msg).__name__)
 
     async def _on_ready(self) -> None:
-        workers = [c for c in self.children.values() if c.spec.kind == "worker"]
-        sched = self.children.get("scheduler")
-        if (sched is not None and all(w.ready for w in workers) and not sched.ready
-                and not getattr(self, "_configured", False)):
-            self._configured = True
-            w0 = workers[0].info
-            info = {
-                "num_kv_blocks": min(int(w.info["num_kv_blocks"]) for w in workers),
-                "max_model_len": int(w0["max_model_len"]),
-                "eos_token_ids": list(w0["eos_token_ids"]),
-                "vocab_size": int(w0["vocab_size"]),
-            }
-            await self._send("scheduler", Configure(info))
+        configured = self._configured
+        for sched in [c for c in self.children.values() if c.spec.kind == "scheduler"]:
+            # each scheduler's workers: the ranks on its plan socket (P/D: two engines)
+            workers = [c for c in self.children.values()
+                       if c.spec.kind == "worker" and c.spec.addresses.plan == sched.spec.addresses.plan]
+            if sched.spec.name not in configured and all(w.ready for w in workers) and not sched.ready:
+                configured.add(sched.spec.name)
+                await self._configure(sched.spec.name, workers)
         if all(c.ready for c in self.children.values()):
             self._all_ready.set()
+
+    async def _configure(self, name: str, workers: list[_Child]) -> None:
+        """Facts the workers measured (KV blocks, limits, image sizes) -> their scheduler."""
+        w0 = workers[0].info
+        info = {
+            "num_kv_blocks": min(int(w.info["num_kv_blocks"]) for w in workers),
+            "max_model_len": int(w0["max_model_len"]),
+            "eos_token_ids": list(w0["eos_token_ids"]),
+            "vocab_size": int(w0["vocab_size"]),
+            **{k: w0[k] for k in IMAGE_INFO if k in w0},  # vision-language models
+        }
+        await self._send(name, Configure(info))
 
     async def _watch_loop(self) -> None:
         while True:
             await asyncio.sleep(0.2)
             now = time.monotonic()
-            for name, c in self.children.items():
+            for name, c in list(self.children.items()):  # a lost encoder leaves the dict
                 code = c.proc.poll()
                 if code is not None:
                     await self._on_failure(name, f"process exited with code {code}")
@@ -209,12 +244,25 @@ class Supervisor:
     async def _on_failure(self, name: str, reason: str) -> None:
         if self._stopped or self.failure is not None or self._failed.is_set():
             return
+        child = self.children.get(name)
+        if child is not None and child.spec.kind == "encoder" and self._all_ready.is_set():
+            await self._lose_encoder(name, child, reason)
+            return
         self.failure = (name, reason)
         log.error("actor_failed", failed=name, reason=reason)
         for other, c in self.children.items():
             if other != name and c.proc.poll() is None:
                 await self._send(other, ActorFailed(name, reason))
         self._failed.set()
+
+    async def _lose_encoder(self, name: str, child: _Child, reason: str) -> None:
+        """A pool member, not the engine: the router re-places its work, serving goes on."""
+        log.error("encoder_lost", failed=name, reason=reason)
+        del self.children[name]
+        if child.proc.poll() is None:  # stopped or hung: it must not come back
+            child.proc.kill()
+            await asyncio.to_thread(child.proc.wait, 5)
+        await self._send("router", ActorFailed(name, reason))
 
     async def _send(self, name: str, msg) -> None:
         try:

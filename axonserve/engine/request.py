@@ -10,7 +10,9 @@ from __future__ import annotations
 import enum
 import time
 
-from axonserve.protocol.messages import PoolingParams, SamplingParams, TokenLogprobs
+from typing import Any
+
+from axonserve.protocol.messages import KVBlocks, MultiModalInput, PoolingParams, SamplingParams, TokenLogprobs
 
 
 class Status(enum.IntEnum):
@@ -51,6 +53,11 @@ class Request:
         "spec_token_ids",
         "num_spec_scheduled",
         "spec",
+        "mm",
+        "mm_frames",
+        "kv_export",
+        "kv",
+        "kv_frames",
     )
 
     def __init__(
@@ -101,6 +108,15 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.num_spec_scheduled = 0
         self.spec = None
+        # images (vision-language models): their MultiModalInput, whose TensorRefs name
+        # `mm_frames[field]` (raw buffers the scheduler forwards to the workers as they are)
+        self.mm: MultiModalInput | None = None
+        self.mm_frames: dict[str, Any] = {}
+        # prefill/decode disaggregation: export the prompt KV (prefill engine), or the imported
+        # prompt KV (decode engine: its first `kv.num_tokens` tokens are never computed here)
+        self.kv_export = False
+        self.kv: KVBlocks | None = None
+        self.kv_frames: dict[str, Any] = {}
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,9 @@ import bisect
 import itertools
 import time
 from dataclasses import dataclass
+from typing import Any
+
+import msgspec
 
 from axonserve.engine.block_manager import BlockManager
 from axonserve.config import SpeculativeConfig
@@ -40,6 +43,7 @@ from axonserve.protocol.messages import (
     StepPlan,
     StepResult,
 )
+from axonserve.protocol.codec import TensorRef
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,7 @@ class Scheduler:
         self.shapes: set[tuple] = set()  # distinct (phase, batch, query_len, kv_len) the workers ran
         self.spec = SpecDecoding(cfg.speculative) if cfg.speculative else None
         self.want_features = bool(cfg.speculative and cfg.speculative.method == "eagle")
+        self.plan_frames: list[Any] = []  # the last plan's extra frames (new requests' images)
 
     def _order_key(self, req: Request) -> tuple:
         return self._order[req.request_id]
@@ -333,7 +338,11 @@ class Scheduler:
             return self._admit_pooling(req, budget if max_chunk is None else min(budget, max_chunk))
         first_time = req.status == Status.WAITING
         # prompt_logprobs needs logits at every prompt position: nothing may come from the cache
-        hit = 0 if req.params.prompt_logprobs is not None else self.blocks.match_prefix(req)
+        # (P/D decode: the prompt's KV comes with the plan and is imported, not looked up)
+        if req.kv is not None:
+            hit = req.kv.num_tokens
+        else:
+            hit = 0 if req.params.prompt_logprobs is not None else self.blocks.match_prefix(req)
         req.num_computed_tokens = hit
         n = req.num_tokens - hit
         limit = budget if max_chunk is None else min(budget, max_chunk)
@@ -344,9 +353,9 @@ class Scheduler:
             req.num_computed_tokens = 0
             return 0
         if first_time:
-            req.num_cached_tokens = hit
+            req.num_cached_tokens = hit if req.kv is None else 0
             req.t_scheduled = time.monotonic()
-        if cfg.enable_prefix_caching:
+        if cfg.enable_prefix_caching and req.kv is None:
             self.prefix_queries += req.num_tokens
             self.prefix_hits += hit
         self.waiting.pop(0)
@@ -368,6 +377,7 @@ class Scheduler:
     def _make_plan(self, scheduled: list[tuple[Request, int]]) -> StepPlan:
         new, cached, new_n, cached_n = [], [], [], []
         drafts: dict[str, list[int]] = {}
+        self.plan_frames = []
         for req, n in scheduled:
             if req.num_spec_scheduled:
                 drafts[req.request_id] = req.spec_token_ids[: req.num_spec_scheduled]
@@ -382,6 +392,9 @@ class Scheduler:
                         num_computed_tokens=req.num_computed_tokens,
                         params=req.params,
                         pooling=req.pooling,
+                        mm=self._with_frames(req.mm, req.mm_frames) if req.mm is not None else None,
+                        kv_export=req.kv_export,
+                        kv=self._with_frames(req.kv, req.kv_frames) if req.kv is not None else None,
                     )
                 )
                 new_n.append(n)
@@ -406,6 +419,19 @@ class Scheduler:
         )
         self._to_drop = []
         return plan
+
+    def _with_frames(self, msg: Any, frames: dict[str, Any]) -> Any:
+        """`msg` (images, KV) with the TensorRefs of its fields renumbered onto this plan's extra
+        frames, where `frames[field]` (a buffer, or a list for a list of refs) is appended."""
+        refs: dict[str, Any] = {}
+        for name, bufs in frames.items():
+            old = getattr(msg, name)
+            new = []
+            for buf, ref in zip(bufs, old) if isinstance(old, list) else [(bufs, old)]:
+                self.plan_frames.append(buf)
+                new.append(TensorRef(len(self.plan_frames), ref.dtype, ref.shape))
+            refs[name] = new if isinstance(old, list) else new[0]
+        return msgspec.structs.replace(msg, **refs)
 
     def update(self, result: StepResult) -> list[RequestDelta]:
         """Apply sampled tokens; return the deltas to send (finished ones included)."""

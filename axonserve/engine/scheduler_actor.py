@@ -15,11 +15,14 @@ import asyncio
 import time
 from collections import defaultdict, deque
 
+import msgspec
 import zmq
 
 from axonserve import __version__
 from axonserve.actors.runtime import Actor
 from axonserve.engine.buckets import BucketConfig
+from axonserve.engine.disagg import PrefillPool, attach_kv, exported_kv
+from axonserve.engine.images import ImageSpec, check_images, ref_frame
 from axonserve.engine.request import Request, Status
 from axonserve.engine.scheduler import Scheduler, SchedulerConfig
 from axonserve.neuron.pooling import resolve_task
@@ -31,9 +34,12 @@ from axonserve.protocol.messages import (
     DraftResult,
     EngineDead,
     EngineInfo,
+    EncodeImages,
     EngineStats,
     GetEngineInfo,
     GetStats,
+    ImagesEncoded,
+    KVBlocks,
     Outputs,
     ParamError,
     ProfileAck,
@@ -51,6 +57,7 @@ from axonserve.protocol.messages import (
 _client_codec = Codec(ClientToEngine)
 _result_codec = Codec(WorkerReply)
 _draft_codec = Codec(DraftResult)
+_encoded_codec = Codec(ImagesEncoded)
 PROFILE_TIMEOUT_S = 120.0  # stopping writes every rank's trace
 
 
@@ -121,6 +128,17 @@ class SchedulerActor(Actor):
         self._work = asyncio.Event()
         self._profile_q: deque[tuple[bytes, str]] = deque()  # (client, start|stop), run between steps
         self._profile_seq = 0
+        # vision-language models: image checks; with an encoder pool, requests wait here for
+        # their features (request id -> request) before they join the queue
+        self.image_spec = ImageSpec.from_info(info)
+        self.encoding: dict[str, Request] = {}
+        self.encoder_router = self.socket(zmq.DEALER, a.router, identity=b"scheduler") \
+            if self.config.encoder_workers and a.router else None
+        self.mm_images = self.mm_cache_hits = 0
+        # P/D disaggregation: a decode engine hands prompts to the prefill engine first
+        self.prefill = PrefillPool(self, a.prefill) \
+            if self.config.role == "decode" else None
+        self.kv_rows: dict = {}  # P/D prefill: the last result's exported KV, by request id
         return {"num_kv_blocks": self.sched.cfg.num_kv_blocks, "max_model_len": max_len}
 
     async def _wait_subscribers(self, n: int) -> None:
@@ -136,6 +154,10 @@ class SchedulerActor(Actor):
             asyncio.create_task(self._client_loop(), name="clients"),
             asyncio.create_task(self._step_loop(), name="steps"),
         ]
+        if self.encoder_router is not None:
+            tasks.append(asyncio.create_task(self._encoded_loop(), name="encoded"))
+        if self.prefill is not None:
+            tasks.append(asyncio.create_task(self.prefill.run(), name="prefilled"))
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for t in done:
@@ -157,9 +179,12 @@ class SchedulerActor(Actor):
                 continue
             self.clients.add(ident)
             if isinstance(msg, AddRequest):
-                await self._add(ident, msg)
+                await self._add(ident, msg, frames[1:])
             elif isinstance(msg, AbortRequest):
                 aborted = self.sched.abort(msg.request_ids)
+                aborted += [r for rid in msg.request_ids if (r := self.encoding.pop(rid, None)) is not None]
+                if self.prefill is not None:
+                    aborted += await self.prefill.abort(msg.request_ids)
                 if aborted:
                     await self._send_deltas([self._final(r) for r in aborted])
             elif isinstance(msg, GetStats):
@@ -180,7 +205,7 @@ class SchedulerActor(Actor):
                 if self.dead_reason is not None:
                     await self._send(ident, EngineDead(self.dead_reason))
 
-    async def _add(self, ident: bytes, msg: AddRequest) -> None:
+    async def _add(self, ident: bytes, msg: AddRequest, frames: list) -> None:
         def reject(why: str, code: int = 400) -> RequestDelta:
             self.log.warning("request.rejected", request_id=msg.request_id, reason=why, code=code)
             return RequestDelta(msg.request_id, finish_reason="error", error=why, error_code=code)
@@ -209,18 +234,85 @@ class SchedulerActor(Actor):
             arrival_time=msg.arrival_time or None,
             pooling=msg.pooling,
         )
+        req.kv_export = msg.kv_export and self.config.role == "prefill"
         why = self.sched.check(req)
+        if why is None and self.prefill is not None:
+            why = self.prefill.dead or self.prefill.check(req)
+        if why is None and msg.mm is not None:
+            why, req.mm_frames = check_images(msg.mm, msg.prompt_token_ids, frames, self.image_spec)
+            req.mm, req.extra_keys = msg.mm, tuple(msg.mm.hashes)  # different images: different KV blocks
         if why is not None:
             await self._send(ident, Outputs([reject(why)]))
             return
-        self.sched.add(req)
         self._owner[req.request_id] = ident
-        self.log.debug("request.added", request_id=req.request_id, prompt_tokens=len(msg.prompt_token_ids),
-                       max_tokens=msg.params.max_tokens, priority=msg.priority)
+        if req.mm is not None:
+            self.mm_images += len(req.mm.hashes)
+            if self.encoder_router is not None and req.mm.pixel_values is not None:  # the encoder pool encodes
+                self.encoding[req.request_id] = req
+                pixels = req.mm_frames.pop("pixel_values")
+                ref = TensorRef(1, req.mm.pixel_values.dtype, req.mm.pixel_values.shape)
+                await self.encoder_router.send_multipart(
+                    Codec.encode(EncodeImages(req.request_id, req.mm.hashes, ref), [pixels]), copy=False)
+                return
+        await self._queue(req)
+
+    async def _queue(self, req: Request) -> None:
+        """Into the scheduler's waiting queue: it runs from the next step on (P/D decode: once
+        the prefill engine has sent its first token and KV)."""
+        if self.prefill is not None and req.kv is None and req.pooling is None:
+            await self.prefill.send(req)
+            return
+        self.sched.add(req)
+        self.log.debug("request.added", request_id=req.request_id, prompt_tokens=req.num_prompt_tokens,
+                       max_tokens=req.params.max_tokens, priority=req.priority)
         self._work.set()
 
+    async def _encoded_loop(self) -> None:
+        """The encoder router's answers: features join their request, which is then queued."""
+        assert self.encoder_router is not None
+        while True:
+            frames = await self.encoder_router.recv_multipart(copy=False)
+            try:
+                msg, _ = _encoded_codec.decode(frames)
+            except DecodeError as e:
+                self.log.warning("bad_router_message", error=str(e))
+                continue
+            req = self.encoding.pop(msg.request_id, None)
+            if req is None:  # aborted (or failed) while encoding
+                continue
+            self.mm_cache_hits += msg.num_cached
+            buf = ref_frame(msg.embeddings, frames) if msg.embeddings is not None else msg.error or "no features"
+            if isinstance(buf, str):
+                await self._send_deltas([RequestDelta(req.request_id, finish_reason="error",
+                                                      error=f"image encoding failed: {buf}",
+                                                      error_code=msg.error_code or 500)])
+                continue
+            assert req.mm is not None and msg.embeddings is not None
+            req.mm = msgspec.structs.replace(req.mm, pixel_values=None, embeddings=msg.embeddings)
+            req.mm_frames = {"embeddings": buf}
+            await self._queue(req)
+
+    async def first_token(self, req: Request, d: RequestDelta, kv: KVBlocks, bufs: list) -> None:
+        """P/D decode: the prefill engine's first token goes out now; the request then decodes
+        here on the prompt's imported KV (its images are no longer needed: never recomputed)."""
+        now = time.monotonic()
+        done = req.append_token(d.new_token_ids[0], self.sched.cfg.eos_token_ids)
+        req.t_first = req.t_last = now
+        self.sched.ttft.append(now - req.t_arrival)
+        self.sched.generation_tokens += 1
+        delta = RequestDelta(req.request_id, d.new_token_ids[:1], logprobs=d.logprobs,
+                             prompt_logprobs=d.prompt_logprobs, num_prompt_tokens=req.num_prompt_tokens)
+        if done:
+            delta.finish_reason, delta.stop_reason = req.finish_reason, req.stop_reason
+        await self._send_deltas([delta])  # before any later token of it can leave
+        if not done:
+            req.kv, req.kv_frames = kv, {"blocks": bufs}
+            req.mm, req.mm_frames = None, {}
+            await self._queue(req)
+
     def _engine_stats(self) -> EngineStats:
-        return EngineStats(num_rejected_overload=self.num_rejected_overload, **self.sched.stats())
+        return EngineStats(num_rejected_overload=self.num_rejected_overload, mm_images=self.mm_images,
+                           mm_cache_hits=self.mm_cache_hits, **self.sched.stats())
 
     # ------------------------------------------------------------------ steps
 
@@ -239,7 +331,7 @@ class SchedulerActor(Actor):
                 continue
             self._log_preempted(plan)
             t1 = time.perf_counter()
-            await self.pub.send_multipart(Codec.encode(plan), copy=False)
+            await self.pub.send_multipart(Codec.encode(plan, self.sched.plan_frames), copy=False)
             t_sent = time.perf_counter()
             result = await self._await_result(plan)
             if result is None:
@@ -390,9 +482,11 @@ class SchedulerActor(Actor):
     async def _await_reply(self, what: str, timeout: float) -> StepResult | ProfileAck | None:
         """Rank 0's next reply; None (engine failed) on timeout, death or junk."""
         reply = await self._recv(self.pull, _result_codec, what, timeout)
+        self.pooled_rows, self.kv_rows = {}, {}
         if isinstance(reply, StepResult):
             try:
                 self.pooled_rows = _pooled_rows(reply, self.result_frames)
+                self.kv_rows = exported_kv(reply, self.result_frames)
             except DecodeError as e:
                 await self._fail(f"undecodable worker reply: {e}")
                 return None
@@ -450,7 +544,10 @@ class SchedulerActor(Actor):
             return
         self._dead.set()
         self._work.set()
-        failed = self.sched.abort_all("error")
+        failed = self.sched.abort_all("error") + list(self.encoding.values())
+        self.encoding.clear()
+        if self.prefill is not None:
+            failed += self.prefill.take_all()
         deltas = [self._final(r, error=reason) for r in failed]
         if deltas:
             await self._send_deltas(deltas)
@@ -496,6 +593,8 @@ class SchedulerActor(Actor):
                 if row is not None:
                     frames.append(row)
                     d.embedding = TensorRef(len(frames), "float32", [len(row) // 4])
+                if d.request_id in self.kv_rows:  # P/D prefill: the prompt's KV rides along
+                    attach_kv(d, self.kv_rows.pop(d.request_id), frames)
             await self._send(ident, Outputs(ds, now), frames)
 
 

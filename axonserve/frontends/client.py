@@ -26,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from axonserve.frontends.detokenizer import IncrementalDetokenizer
+from axonserve.frontends.multimodal import PromptImages
 from axonserve.frontends.tokenizer import Tokenizer
 from axonserve.protocol import Codec, DecodeError, EngineToClient, tensor_from_frame
 from axonserve.protocol.messages import (
@@ -218,10 +219,12 @@ class AsyncEngineClient:
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
+        images: PromptImages | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Validate now (ParamError / EngineDeadError raised here, before any await), then
         return an async iterator of outputs. Leaving the iteration early (break, cancel,
-        aclose) aborts the request on the engine."""
+        aclose) aborts the request on the engine. `images`: a vision-language prompt's images
+        (frontends/multimodal.py), whose placeholder runs `prompt` already holds."""
         if self.dead:
             raise EngineDeadError(self.dead_reason or "engine is dead")
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -229,7 +232,7 @@ class AsyncEngineClient:
         if request_id in self._requests:
             raise ParamError("request_id", f"request id {request_id!r} is already in flight")
         subs = self._fan_out(prompt_ids, params)
-        return self._stream(request_id, prompt_ids, subs)
+        return self._stream(request_id, prompt_ids, subs, images)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Check params and context length; return engine params (n=1, max_tokens filled)."""
@@ -377,7 +380,7 @@ class AsyncEngineClient:
         self._profile_waiters.clear()
 
     async def _stream(
-        self, request_id: str, prompt_ids: list[int], subs: list[SamplingParams]
+        self, request_id: str, prompt_ids: list[int], subs: list[SamplingParams], images: PromptImages | None = None
     ) -> AsyncGenerator[RequestOutput, None]:
         req = _Request()
         single = len(subs) == 1
@@ -395,9 +398,10 @@ class AsyncEngineClient:
         self._routes.update((cid, req) for cid in req.choices)
         now = time.time()
         open_ids = set(req.choices)
+        mm, frames = images.wire() if images is not None else (None, [])
         try:
             for (cid, _), p in zip(req.choices.items(), subs):
-                await self._send(AddRequest(cid, prompt_ids, p, arrival_time=now))
+                await self._send(AddRequest(cid, prompt_ids, p, arrival_time=now, mm=mm), frames)
             while open_ids:
                 delta = req.queue.get_nowait() if not req.queue.empty() else await req.queue.get()
                 choice = req.choices.get(delta.request_id)
@@ -444,8 +448,8 @@ class AsyncEngineClient:
 
     # ------------------------------------------------------------------ socket
 
-    async def _send(self, msg: msgspec.Struct) -> None:
-        await self._sock.send_multipart(Codec.encode(msg), copy=False)
+    async def _send(self, msg: msgspec.Struct, tensors: list[Any] | None = None) -> None:
+        await self._sock.send_multipart(Codec.encode(msg, tensors or ()), copy=False)
 
     def _send_nowait(self, msg: msgspec.Struct) -> None:
         """Send from sync code / finally blocks (zmq.asyncio queues it if it would block)."""

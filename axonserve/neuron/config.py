@@ -65,7 +65,9 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str) -> ModelConfig:
-        cfg = _read_json(os.path.join(path, "config.json"))
+        full = _read_json(os.path.join(path, "config.json"))
+        # vision-language models (LLaVA): the decoder's fields live in text_config; `raw` keeps all
+        cfg = {**full["text_config"], "architectures": full.get("architectures")} if "text_config" in full else full
         gen_path = os.path.join(path, "generation_config.json")
         gen = _read_json(gen_path) if os.path.exists(gen_path) else {}
         archs = cfg.get("architectures") or []
@@ -97,7 +99,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            raw=cfg,
+            raw=full,
             qkv_bias=bool(cfg.get("attention_bias", False)),
             hidden_act=str(cfg.get("hidden_act", "silu")),
             sliding_window=_sliding_window(cfg),

@@ -11,6 +11,7 @@ import dataclasses
 import os
 import time
 import traceback
+from collections.abc import Sequence
 from typing import Any
 from dataclasses import dataclass
 
@@ -23,6 +24,8 @@ from axonserve.engine.buckets import BucketConfig
 from axonserve.neuron.config import ModelConfig
 from axonserve.neuron.loader import load_model
 from axonserve.neuron.models.bert import EncoderBatch
+from axonserve.neuron.kv_transfer import export_kv, import_kv
+from axonserve.neuron.multimodal import ImageEncoderCache, RequestImages, batch_rows
 from axonserve.neuron.ops.attention import AttentionMetadata, build_static
 from axonserve.neuron.parallel import (
     CollectiveError,
@@ -62,6 +65,8 @@ class RequestState:
     generator: torch.Generator | None
     grammar: Any = None  # structured output: GrammarState, made at first sampling (rank 0)
     pooling: PoolingParams | None = None  # embed task: pooled once its whole prompt ran
+    images: RequestImages | None = None  # multimodal: placeholder positions and their features
+    kv_export: bool = False  # P/D prefill: its prompt KV leaves with its first token
 
 
 def mem_available_bytes() -> int:
@@ -116,6 +121,12 @@ class ModelRunner:
         self.structured = StructuredDecoding(config.model, self.vocab_size, self.eos_token_ids, enabled=rank == 0)
         self.requests: dict[str, RequestState] = {}
         self.snapshots = StepSnapshots.from_config(self.model, config.snapshot, rank)  # --snapshot capture
+        # vision-language models: images of requests whose plan brings pixels are encoded here
+        self.images = ImageEncoderCache(self.model, self.dtype, config.encoder_cache_mb * 2**20) \
+            if getattr(self.model, "is_multimodal", False) else None
+        if self.images is not None and self.buckets is not None:
+            raise ValueError("bucketing mode is not supported for multimodal models")
+        self._frames: Sequence[Any] = ()  # the current plan's extra frames (multimodal inputs)
         log.info(
             "runner.ready",
             rank=rank,
@@ -125,6 +136,14 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             buckets=self.buckets.as_dict() if self.buckets else None,
         )
+
+    def image_info(self) -> dict[str, int]:
+        """For the scheduler's image checks (engine/images.py); empty for a text-only model."""
+        if self.images is None:
+            return {}
+        m = self.model
+        return {"image_token_id": m.image_token_id, "image_tokens": m.tokens_per_image,
+                "image_size": m.vision_tower.image_size, "hidden_size": self.model_config.hidden_size}
 
     # ------------------------------------------------------------------ KV cache
 
@@ -148,9 +167,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, frames: Sequence[Any] = ()) -> StepResult:
+        """frames: the plan message's frames (its TensorRefs name the multimodal inputs of new requests)."""
         t0 = time.perf_counter()
         self.result_tensors = []
+        self._frames = frames
         try:
             with torch.inference_mode():
                 result = self._execute(plan)
@@ -179,6 +200,13 @@ class ModelRunner:
                 generator=torch.Generator().manual_seed(seed) if seed is not None else None,
                 pooling=nr.pooling,
             )
+            if nr.mm is not None:
+                if self.images is None:
+                    raise ValueError(f"request {nr.request_id} has images but the model takes none")
+                st.images = self.images.request_images(nr.mm, self._frames)
+            if nr.kv is not None:  # P/D decode: the prompt's KV computed by a prefill worker
+                import_kv(self.kv_caches, st.block_ids, self.block_size, nr.kv, self._frames)
+            st.kv_export = nr.kv_export
             self.requests[nr.request_id] = st
             scheduled.append(st)
         for cr in plan.cached:
@@ -227,7 +255,14 @@ class ModelRunner:
         )
         if self.snapshots is not None:
             self.snapshots.begin(plan.step_id, contiguous_rows(flat), torch.tensor(input_ids), meta.positions)
-        hidden = self.model(torch.from_numpy(np.asarray(input_ids, dtype=np.int64)), meta.positions, self.kv_caches, meta)
+        mm = {}
+        if self.images is not None:  # image features replace their placeholder rows
+            merged = batch_rows([(st.images, st.num_computed_tokens, n, last_tok[st.request_id] - n + 1)
+                                 for st, n in flat])
+            if merged is not None:
+                mm = {"mm_rows": merged[0], "mm_embeds": merged[1]}
+        hidden = self.model(torch.from_numpy(np.asarray(input_ids, dtype=np.int64)), meta.positions, self.kv_caches,
+                            meta, **mm)
         prompt_lps = self._prompt_logprobs([(st, n, last_tok[st.request_id]) for st, n in work], hidden)
         starts = {st.request_id: st.num_computed_tokens for st, _ in work}
         for st, n in work:
@@ -240,7 +275,10 @@ class ModelRunner:
             last = last_tok[st.request_id]
             rows.extend(range(last - len(drafts[st.request_id]), last + 1))
         logits = self.model.compute_logits(hidden[torch.tensor(rows)]) if rows else None
-        result = self._sample(plan, samplers, logits, verify=verify, prompt_logprobs=prompt_lps)
+        first = [st for st in samplers if st.kv_export and len(st.token_ids) == st.num_prompt_tokens]
+        kv = [export_kv(self.kv_caches, st.block_ids, self.block_size, st.num_prompt_tokens, st.request_id,
+                        self.result_tensors) for st in first]  # P/D prefill: the prompt KV leaves
+        result = self._sample(plan, samplers, logits, verify=verify, prompt_logprobs=prompt_lps, kv_exports=kv)
         if plan.want_features and self.rank == 0:
             self._features(result, work, starts, last_tok, hidden)
         return result

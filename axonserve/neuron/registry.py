@@ -6,6 +6,7 @@ from torch import nn
 
 from axonserve.neuron.models.bert import BertModel
 from axonserve.neuron.models.llama import LlamaForCausalLM, MistralForCausalLM
+from axonserve.neuron.models.llava import LlavaForConditionalGeneration
 from axonserve.neuron.models.null import NullForCausalLM
 from axonserve.neuron.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
@@ -16,6 +17,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "AxonNullForCausalLM": NullForCausalLM,  # computes nothing: `axonserve bench step`
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # CLIP + projector + Llama-family decoder
     "BertModel": BertModel,  # encoder: embed task only (pooling.EMBEDDING_ARCHITECTURES)
 }
 

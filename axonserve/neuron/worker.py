@@ -68,6 +68,7 @@ class WorkerActor(Actor):
             "eos_token_ids": list(r.eos_token_ids),
             "vocab_size": r.vocab_size,
             "pid": os.getpid(),
+            **r.image_info(),
         }
 
     async def _load_in_own_thread(self):
@@ -115,9 +116,9 @@ class WorkerActor(Actor):
                 continue
             if self.profiler is not None:
                 with self.profiler.step_scope(plan.step_id):
-                    result = self.runner.execute(plan)
+                    result = self.runner.execute(plan, frames)
             else:
-                result = self.runner.execute(plan)
+                result = self.runner.execute(plan, frames)
             if self.push is not None:
                 await self.push.send_multipart(Codec.encode(result, self.runner.result_tensors), copy=False)
             if self.snap_sock is not None:

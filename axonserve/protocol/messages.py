@@ -146,6 +146,28 @@ class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     normalize: bool | None = None  # L2-normalize; None: the model's sentence-transformers default
 
 
+class MultiModalInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A prompt's images: where their placeholder runs sit in the prompt, their content hashes
+    (encoder cache and prefix-cache keys), and the preprocessed pixels or the encoded features,
+    each an extra frame of the message that carries this."""
+
+    hashes: list[str]
+    offsets: list[int]  # prompt position of each image's first placeholder token
+    lengths: list[int]  # placeholder tokens of each image
+    pixel_values: TensorRef | None = None  # [images, channels, height, width], to be encoded
+    embeddings: TensorRef | None = None  # [sum(lengths), hidden]: the features, already encoded
+
+
+class KVBlocks(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Prefill/decode disaggregation: a request's prompt KV, moved block by block, each block
+    one extra frame [layers, 2 (K, V), block_size, kv_heads, head_dim] (the last block may
+    hold slots past `num_tokens`; they are ignored)."""
+
+    num_tokens: int
+    blocks: list[TensorRef]
+    request_id: str = ""
+
+
 class AddRequest(_Msg, tag=1):
     request_id: str
     prompt_token_ids: list[int]
@@ -153,6 +175,8 @@ class AddRequest(_Msg, tag=1):
     arrival_time: float = 0.0
     priority: int = 0
     pooling: PoolingParams | None = None  # set: an embed request (params are then unused)
+    mm: MultiModalInput | None = None  # images (vision-language models)
+    kv_export: bool = False  # P/D: send the prompt's KV back with the first token (delta.kv)
 
 
 class AbortRequest(_Msg, tag=2):
@@ -192,6 +216,7 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     # prompt_logprobs requests: entries for prompt tokens 1.. (token 0 has none), sent once,
     # with the first new token
     prompt_logprobs: list[TokenLogprobs] | None = None
+    kv: KVBlocks | None = None  # kv_export requests: the prompt's KV, extra frames of `Outputs`
 
 
 class Outputs(_Msg, tag=10):
@@ -234,6 +259,9 @@ class EngineStats(_Msg, tag=13):
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # multimodal: images seen, of which served by the encoder cache (the encoder router's)
+    mm_images: int = 0
+    mm_cache_hits: int = 0
 
 
 class EngineDead(_Msg, tag=12):
@@ -255,6 +283,9 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_computed_tokens: int
     params: SamplingParams
     pooling: PoolingParams | None = None
+    mm: MultiModalInput | None = None  # its frames are extra frames of the StepPlan
+    kv_export: bool = False  # P/D prefill: export the prompt's KV when the first token is sampled
+    kv: KVBlocks | None = None  # P/D decode: the prompt's KV to import (extra frames of the StepPlan)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -314,6 +345,7 @@ class StepResult(_Msg, tag=21):
     feature_starts: list[int] = []
     feature_counts: list[int] = []
     features: TensorRef | None = None
+    kv_exports: list[KVBlocks] = []  # P/D prefill: prompt KV of kv_export requests sampled this step
 
 
 class DraftRequest(_Msg, tag=22):
@@ -497,7 +529,40 @@ class SnapshotRecord(_Msg, tag=70):
     dropped: int = 0  # records this worker dropped before this one (sink lagging)
 
 
-StatsEvent = Union[StepStats, RequestStats, ActorAlive]
+# --------------------------------------------------------------------------- multimodal encoding
+
+
+class EncodeImages(_Msg, tag=80):
+    """Scheduler -> encoder router (every image of a request), router -> one encoder (the
+    images not in its cache): `pixel_values` is an extra frame, one row per hash."""
+
+    request_id: str
+    hashes: list[str]
+    pixel_values: TensorRef
+
+
+class ImagesEncoded(_Msg, tag=81):
+    """Encoder -> router: `embeddings` [images, tokens, hidden] for the hashes asked.
+    Router -> scheduler: [sum of tokens, hidden] for every image of the request, in order.
+    `error` set: no embeddings (the request fails with `error_code`)."""
+
+    request_id: str
+    embeddings: TensorRef | None = None
+    error: str | None = None
+    error_code: int = 0
+    num_cached: int = 0  # images served from the router's cache
+
+
+class EncoderStats(_Msg, tag=45):
+    """Encoder router -> metrics (deltas since the last event)."""
+
+    images: int = 0
+    cache_hits: int = 0
+    encode_s: float = 0.0  # time the encoders spent on this router's jobs
+    retries: int = 0  # jobs sent again after their encoder died
+
+
+StatsEvent = Union[StepStats, RequestStats, ActorAlive, EncoderStats]
 
 ClientToEngine = Union[AddRequest, AbortRequest, GetEngineInfo, GetStats, StartProfile, StopProfile]
 EngineToClient = Union[Outputs, EngineInfo, EngineDead, EngineStats, ProfileStatus]

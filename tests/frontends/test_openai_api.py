@@ -268,3 +268,10 @@ def _wait(cond, what: str, timeout: float = 30.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
+
+
+def test_image_parts_to_a_text_only_model_are_400(http):
+    img = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"}, img]}]})
+    assert "does not accept images" in _error(r, 400)["message"]

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from axonserve import __version__
 from axonserve.config import EngineConfig
 from axonserve.frontends.client import AsyncEngineClient, EngineDeadError, ProfileError, RequestOutput
+from axonserve.frontends.multimodal import ImageInputs, PromptImages, has_images, take_images
 from axonserve.frontends.openai.embeddings import EmbeddingRequest, create_embeddings
 from axonserve.frontends.openai.middleware import ApiKeyAuth, BodyLimit, api_key_from_env
 from axonserve.frontends.openai.protocol import (
@@ -177,6 +178,7 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
     app.state.unhealthy = None
     model_name = client.info.served_model_name or (config and config.served_model_name) or client.info.model
     known_models = {model_name, client.info.model}
+    image_inputs = ImageInputs.load(client.info.model, client.tokenizer.hf, config) if client.info.model else None
 
     # ------------------------------------------------------------------ errors
 
@@ -215,14 +217,15 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
             return await asyncio.to_thread(client.tokenizer.encode, prompt)
         return client.tokenizer.encode(prompt)
 
-    def start(prompts: list[list[int]], params: SamplingParams, rid: str) -> list[AsyncGenerator[RequestOutput, None]]:
+    def start(prompts: list[list[int]], params: SamplingParams, rid: str,
+              images: PromptImages | None = None) -> list[AsyncGenerator[RequestOutput, None]]:
         reason = unavailable()
         if reason is not None:
             raise EngineDeadError(reason)
         for ids in prompts:  # validate all before starting any
             client.validate(ids, params)
         if len(prompts) == 1:
-            return [client.generate(prompts[0], params, request_id=rid)]
+            return [client.generate(prompts[0], params, request_id=rid, images=images)]
         return [client.generate(ids, params, request_id=f"{rid}-p{j}") for j, ids in enumerate(prompts)]
 
     # ------------------------------------------------------------------ routes
@@ -267,6 +270,11 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
         params = with_structured_outputs(body.sampling_params(), body, client.tokenizer,
                                          tools.structured if tools else None)
         messages = template_messages([m.model_dump(exclude_none=True) for m in body.messages])
+        urls: list[str] = []
+        if has_images(messages):
+            if image_inputs is None:
+                raise ParamError("messages", f"The model `{model_name}` is text-only: it does not accept images")
+            messages, urls = take_images(messages, image_inputs.image_token)
         ids = body.truncate(client.tokenizer.encode_chat(
             messages,
             add_generation_prompt=body.add_generation_prompt,
@@ -274,9 +282,14 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
             **(tools.template_kwargs() if tools else {}),
             **(body.chat_template_kwargs or {}),
         ))
+        images = None
+        if urls:
+            assert image_inputs is not None
+            ids, images = await asyncio.to_thread(image_inputs.prepare, ids, urls)
+            _note_access(images=len(urls))
         rid = body.request_id or random_id("chatcmpl")
         _note_access(request_id=rid)
-        streams = start([ids], params, rid)
+        streams = start([ids], params, rid, images)
         fmt = _ChatFormat(client, rid, model_name, params, [ids], tools=tools.formatter() if tools else None)
         if body.stream:
             return await _stream_response(fmt, streams, params.n, body.include_usage)

@@ -100,8 +100,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype)
 
-    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """inputs_embeds: the embedded batch when a caller replaced some rows (LLaVA's images)."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary(positions)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv, meta)
