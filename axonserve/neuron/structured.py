@@ -10,6 +10,8 @@ then on admits only EOS, so the request ends instead of taking the worker down.
 
 from __future__ import annotations
 
+import importlib.util
+import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -50,6 +52,12 @@ class StructuredDecoding:
         self._tokenizer: Any = None  # llguidance.LLTokenizer
         self._tokenizer_error: str | None = None
         self._templates: dict[tuple[str, str, bool], Any] = {}  # fresh matcher per spec, copied per request
+        # the grammar tokenizer takes ~1.5 s to build: in the background from the start, so the
+        # first structured request does not stall every request of its step
+        self._warm: threading.Thread | None = None
+        if enabled and importlib.util.find_spec("llguidance") is not None:
+            self._warm = threading.Thread(target=self._llg_tokenizer, name="llg-tokenizer", daemon=True)
+            self._warm.start()
 
     # ------------------------------------------------------------------ matchers
 
@@ -75,6 +83,9 @@ class StructuredDecoding:
 
         so = st.params.structured_outputs
         assert so is not None
+        if self._warm is not None:
+            self._warm.join()
+            self._warm = None
         tok = self._llg_tokenizer()
         if tok is None:
             return GrammarState(None)
