@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -225,17 +226,15 @@ def _ws(s: str, i: int) -> int:
     return i
 
 
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)  # a complete JSON string (unrolled: linear)
+_STRUCTURE = re.compile(r'["{}\[\]]')
+
+
 def _string_end(s: str, i: int) -> int | None:
-    """End (exclusive) of the JSON string starting at s[i] == '"', None if it is still open."""
-    j = i + 1
-    while j < len(s):
-        if s[j] == "\\":
-            j += 2
-        elif s[j] == '"':
-            return j + 1
-        else:
-            j += 1
-    return None
+    """End (exclusive) of the JSON string starting at s[i] == '"', None if it is still open.
+    Regex scans: a stream re-scans its whole text on every token, so no per-char Python loops."""
+    m = _STRING.match(s, i)
+    return m.end() if m else None
 
 
 def _value_end(s: str, i: int) -> int | None:
@@ -244,20 +243,17 @@ def _value_end(s: str, i: int) -> int | None:
         return _string_end(s, i)
     if s[i] in "{[":
         depth, j = 0, i
-        while j < len(s):
-            c = s[j]
-            if c == '"':
+        while (m := _STRUCTURE.search(s, j)) is not None:
+            j = m.start()
+            if s[j] == '"':
                 end = _string_end(s, j)
                 if end is None:
                     return None
                 j = end
                 continue
-            if c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
+            depth += 1 if s[j] in "{[" else -1
+            if depth == 0:
+                return j + 1
             j += 1
         return None
     j = i  # number / true / false / null: ends at a delimiter
