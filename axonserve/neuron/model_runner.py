@@ -241,8 +241,11 @@ class ModelRunner:
             if drafts:
                 raise ValueError("speculative decoding is not supported in bucketing mode")
             return self._execute_bucketed(plan, work, self.buckets)
-        # flat batch: decodes (1 token) first, then prefill chunks; plan order kept within each group
-        flat = [w for w in work if w[1] == 1] + [w for w in work if w[1] != 1]
+        # flat batch: decodes (1 token) first, then verifications (1 + k tokens) by length (equal
+        # ones share one attention call), then prefill chunks; plan order kept within each group
+        verifying = sorted((w for w in work if w[0].request_id in drafts), key=lambda w: w[1])
+        flat = ([w for w in work if w[1] == 1] + verifying
+                + [w for w in work if w[1] != 1 and w[0].request_id not in drafts])
         input_ids: list[int] = []
         last_tok: dict[str, int] = {}
         for st, n in flat:

@@ -37,6 +37,11 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor | None = None  # [B, max_blocks] long (padded with block 0)
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSeq] = field(default_factory=list)
+    # the first prefills when they are short, equal-length chunks with a context (speculative
+    # verification: 1 + k tokens each): one batched SDPA instead of one per sequence
+    short: tuple[int, int] = (0, 0)  # (number of such sequences, their query length)
+    short_block_table: torch.Tensor | None = None  # [S, max_blocks] long
+    short_mask: torch.Tensor | None = None  # [S, q, max_blocks * block_size] bool, causal after the context
     # bucketing mode, context encoding: the flat batch is [batch, query_len] row-major, every
     # sequence padded to query_len; K/V come from the cache through a padded block table
     static_prefill: tuple[int, int] | None = None  # (batch, query_len) bucket
@@ -71,7 +76,20 @@ class AttentionMetadata:
             meta.decode_block_table = torch.from_numpy(np.ascontiguousarray(table[:num_decodes, :w]))
             mask = np.arange(w * block_size)[None, :] < seq_lens[:num_decodes, None]
             meta.decode_mask = torch.from_numpy(mask)[:, None, None, :]
-        for i in range(num_decodes, n):
+        first = num_decodes
+        if n - first >= 2 and 1 < q[first] <= SHORT_QUERY and ctx[first] > 0:
+            same = (q[first:] == q[first]) & (ctx[first:] > 0)
+            num_short = int(np.argmin(same)) if not same.all() else n - first
+            if num_short >= 2:
+                qs, rows = int(q[first]), slice(first, first + num_short)
+                w = int(blocks_needed[rows].max())
+                meta.short = (num_short, qs)
+                meta.short_block_table = torch.from_numpy(np.ascontiguousarray(table[rows, :w]))
+                key_pos = np.arange(w * block_size)[None, None, :]
+                limit = ctx[rows, None, None] + np.arange(qs)[None, :, None]
+                meta.short_mask = torch.from_numpy(key_pos <= limit)
+                first += num_short
+        for i in range(first, n):
             p = PrefillSeq(start=int(starts[i]), end=int(starts[i] + q[i]), context_len=int(ctx[i]))
             if p.context_len:
                 kv = int(seq_lens[i])
@@ -79,6 +97,9 @@ class AttentionMetadata:
                 p.mask = torch.ones(int(q[i]), kv, dtype=torch.bool).tril(diagonal=p.context_len)
             meta.prefills.append(p)
         return meta
+
+
+SHORT_QUERY = 16  # longest chunk the batched short-chunk path takes
 
 
 def build_static(
@@ -162,7 +183,7 @@ def paged_attention(
         qp = q.view(nb, nq, hq, d).transpose(1, 2)
         op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True)
         return op.transpose(1, 2).reshape(nb * nq, hq, d)
-    out = torch.empty(q.shape, dtype=q.dtype) if meta.prefills else None
+    out = torch.empty(q.shape, dtype=q.dtype) if meta.prefills or meta.short[0] else None
     if nd:
         # [B, Hkv, group, D]: the query heads sharing a KV head become the "query length" axis,
         # so GQA needs no K/V repeat and one SDPA call covers the whole decode batch.
@@ -174,6 +195,18 @@ def paged_attention(
         if out is None:
             return od.reshape(nd, hq, d)
         out[:nd] = od.reshape(nd, hq, d)
+    ns, qs = meta.short
+    if ns:
+        # like decode, with the query heads sharing a KV head times the chunk's tokens as the
+        # query axis: row j * group + g is token j, query head g of the group
+        grp = hq // hkv
+        qg = q[nd : nd + ns * qs].view(ns, qs, hkv, grp, d).permute(0, 2, 1, 3, 4).reshape(ns, hkv, qs * grp, d)
+        bt = meta.short_block_table.view(-1)  # type: ignore[union-attr]
+        kg = _gather_blocks(k_cache, bt).view(ns, -1, hkv, d).transpose(1, 2)
+        vg = _gather_blocks(v_cache, bt).view(ns, -1, hkv, d).transpose(1, 2)
+        mask = meta.short_mask.repeat_interleave(grp, dim=1)[:, None]  # type: ignore[union-attr]
+        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
+        out[nd : nd + ns * qs] = og.view(ns, hkv, qs, grp, d).permute(0, 2, 1, 3, 4).reshape(ns * qs, hq, d)
     for p in meta.prefills:
         qp = q[p.start : p.end].transpose(0, 1)
         if p.context_len == 0:
