@@ -56,16 +56,9 @@ class EngineDeadError(RuntimeError):
     """The engine cannot serve (it died, hung, or this client was closed)."""
 
 
-class ProfileError(RuntimeError):
-    """A profiler start/stop failed; `status` is HTTP-style (400 not configured, 409 state)."""
-
-    def __init__(self, message: str, status: int = 500):
-        super().__init__(message)
-        self.status = status or 500
-
-
 class RequestError(RuntimeError):
-    """The engine rejected or failed one request; `status` is its HTTP-style code (400, 503, 500)."""
+    """The engine rejected or failed one request (or a profiler start/stop); `status` is its
+    HTTP-style code (400, 409, 503, 500)."""
 
     def __init__(self, message: str, status: int = 500):
         super().__init__(message)
@@ -348,7 +341,7 @@ class AsyncEngineClient:
         await self._send(msg)
         status = await asyncio.wait_for(fut, timeout)
         if status.error is not None:
-            raise ProfileError(status.error, status.code)
+            raise RequestError(status.error, status.code)
         return status
 
     async def abort(self, request_id: str) -> None:

@@ -19,11 +19,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from axonserve.frontends.client import AsyncEngineClient, EmbeddingOutput, RequestError
-from axonserve.frontends.openai.protocol import ErrorInfo, ErrorResponse
+from axonserve.frontends.openai.protocol import error_response
 from axonserve.protocol.messages import ParamError, PoolingParams
 
 _LONG_INPUT_CHARS = 4096  # tokenize more text than this off the event loop
-_ERROR_TYPES = {400: "BadRequestError", 503: "ServiceUnavailableError"}
 
 
 class EmbeddingRequest(BaseModel):
@@ -101,8 +100,7 @@ async def create_embeddings(client: AsyncEngineClient, body: EmbeddingRequest, m
         outs: list[EmbeddingOutput] = await asyncio.gather(
             *(client.embed(x, request_id=f"{rid}-{i}", pooling=pooling) for i, x in enumerate(ids)))
     except RequestError as e:
-        info = ErrorInfo(message=str(e), type=_ERROR_TYPES.get(e.status, "InternalServerError"), code=e.status)
-        return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=e.status)
+        return error_response(e.status, str(e))
     data = [EmbeddingData(index=i, embedding=encode_vector(o.embedding.numpy(), body.encoding_format))
             for i, o in enumerate(outs)]
     n = sum(o.num_prompt_tokens for o in outs)

@@ -13,6 +13,7 @@ import uuid
 from typing import Any, Literal
 
 import msgspec
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from axonserve.frontends.openai.structured_outputs import ResponseFormat, StructuredOutputsRequest
@@ -350,3 +351,15 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+# OpenAI error `type` by HTTP status (anything else: InternalServerError)
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 409: "ConflictError",
+               413: "RequestEntityTooLarge", 501: "NotImplementedError", 503: "ServiceUnavailableError"}
+
+
+def error_response(status: int, message: str, type_: str | None = None, param: str | None = None) -> JSONResponse:
+    """OpenAI error JSON with its status code; the type follows the status unless given."""
+    body = ErrorResponse(error=ErrorInfo(message=message, type=type_ or ERROR_TYPES.get(status, "InternalServerError"),
+                                         param=param, code=status))
+    return JSONResponse(body.model_dump(), status_code=status)

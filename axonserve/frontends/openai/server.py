@@ -26,11 +26,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from axonserve import __version__
 from axonserve.config import EngineConfig
-from axonserve.frontends.client import AsyncEngineClient, EngineDeadError, ProfileError, RequestOutput
+from axonserve.frontends.client import AsyncEngineClient, EngineDeadError, RequestError, RequestOutput
 from axonserve.frontends.multimodal import ImageInputs, PromptImages, has_images, take_images
 from axonserve.frontends.openai.embeddings import EmbeddingRequest, create_embeddings
 from axonserve.frontends.openai.middleware import ApiKeyAuth, BodyLimit, api_key_from_env
 from axonserve.frontends.openai.protocol import (
+    ERROR_TYPES,
+    error_response,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -111,20 +113,7 @@ class ModelNotFound(LookupError):
     pass
 
 
-class GenerationError(RuntimeError):
-    """The engine failed a request (finish_reason "error"); `status` is the engine's code."""
-
-    def __init__(self, message: str, status: int = 500):
-        super().__init__(message)
-        self.status = status or 500
-
-
-_ERROR_TYPES = {400: "BadRequestError", 503: "ServiceUnavailableError"}
-
-
-def error_response(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=status))
-    return JSONResponse(body.model_dump(), status_code=status)
+_REJECT_CODES = (400, 503)  # engine refusals that become the HTTP status before a stream starts
 
 
 def _error_for(exc: BaseException) -> JSONResponse:
@@ -134,8 +123,8 @@ def _error_for(exc: BaseException) -> JSONResponse:
         return error_response(404, str(exc), "NotFoundError", "model")
     if isinstance(exc, EngineDeadError):
         return error_response(503, f"engine unavailable: {exc}", "ServiceUnavailableError")
-    if isinstance(exc, GenerationError):
-        return error_response(exc.status, str(exc), _ERROR_TYPES.get(exc.status, "InternalServerError"))
+    if isinstance(exc, RequestError):
+        return error_response(exc.status, str(exc))
     if isinstance(exc, (ValueError, TypeError, OverflowError, jinja2.TemplateError)):
         return error_response(400, str(exc), "BadRequestError")
     if isinstance(exc, NotImplementedError):
@@ -198,7 +187,7 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
     # Known classes go through ExceptionMiddleware (handled, not re-raised); the bare
     # Exception entry is the last resort (Starlette logs those as server errors too).
     for cls in (ParamError, ValueError, TypeError, OverflowError, jinja2.TemplateError, LookupError,
-                EngineDeadError, GenerationError, NotImplementedError, Exception):
+                EngineDeadError, RequestError, NotImplementedError, Exception):
         app.add_exception_handler(cls, _on_error)
 
     # ------------------------------------------------------------------ helpers
@@ -346,9 +335,8 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
         start = raw.url.path == "/start_profile"
         try:
             st = await (client.start_profile() if start else client.stop_profile())
-        except ProfileError as e:
-            kind = {400: "BadRequestError", 409: "ConflictError"}.get(e.status, "InternalServerError")
-            return error_response(e.status, str(e), kind)
+        except RequestError as e:
+            return error_response(e.status, str(e))
         return JSONResponse({"status": "started" if start else "stopped", "files": st.files})
 
     return app
@@ -364,10 +352,9 @@ async def _stream_response(fmt: "_Format", streams: list[AsyncGenerator[RequestO
             first = await anext(first_stream)
         except StopAsyncIteration:
             first = None
-        if first is not None and first.finish_reason == "error" and first.error_code in _ERROR_TYPES:
+        if first is not None and first.finish_reason == "error" and first.error_code in _REJECT_CODES:
             await first_stream.aclose()
-            return error_response(first.error_code, first.error or "rejected",
-                                  _ERROR_TYPES[first.error_code])
+            return error_response(first.error_code, first.error or "rejected")
         streams = [_prepend(first, first_stream)]
     return _sse(fmt, streams, n, include_usage)
 
@@ -426,7 +413,7 @@ class _Format:
         usage = _Usage()
         async for j, out in _merge(streams):
             if out.finish_reason == "error":
-                raise GenerationError(out.error or "generation failed", out.error_code)
+                raise RequestError(out.error or "generation failed", out.error_code)
             outs.setdefault(j * n + out.index, []).append(out)
             usage.add(j, out)
         body = self.response(dict(sorted(outs.items())), usage.info())
@@ -620,7 +607,7 @@ def _sse(fmt: _Format, streams: list[AsyncGenerator[RequestOutput, None]], n: in
                     code = out.error_code or 500
                     err = ErrorResponse(error=ErrorInfo(
                         message=out.error or "generation failed",
-                        type=_ERROR_TYPES.get(code, "InternalServerError"), code=code))
+                        type=ERROR_TYPES.get(code, "InternalServerError"), code=code))
                     yield f"data: {err.model_dump_json()}\n\n"
                     break
                 usage.add(j, out)
