@@ -75,7 +75,8 @@ class StructuredDecoding:
                 log.info("structured.tokenizer_ready", vocab=self._tokenizer.vocab_size, eos=self.eos_token_ids)
             except Exception as e:  # noqa: BLE001 - structured requests then end at once
                 self._tokenizer_error = f"{type(e).__name__}: {e}"
-                log.error("structured.tokenizer_failed", error=self._tokenizer_error)
+                log.warning("structured.unavailable", reason="no grammar tokenizer for this model",
+                            error=self._tokenizer_error)
         return self._tokenizer
 
     def _new_state(self, st: _Sampled) -> GrammarState:

@@ -57,7 +57,8 @@ def _rank_main(rank: int, world: int, port: int, dirs: dict[str, str], out) -> N
                                       **runner_kw)
         runner = make_runner(dirs["moe-ep"], num_workers=world, threads=1, rank=rank, dist_init=init,
                              enable_expert_parallel=True, dtype="bfloat16")
-        results["moe-ep-bf16-logits"] = runner_logits(runner, BF16_IDS, [20, 1, 14]).float()
+        # by value: a tensor would travel as a file descriptor this process must outlive
+        results["moe-ep-bf16-logits"] = runner_logits(runner, BF16_IDS, [20, 1, 14]).float().tolist()
         out.put((rank, results))
     except BaseException as e:  # reported to the test, which fails with it
         out.put((rank, repr(e)))
@@ -132,4 +133,4 @@ def test_expert_parallel_bfloat16_logits_close(multi_rank, model_dirs):
     world, results = multi_rank
     ref = runner_logits(make_runner(model_dirs["moe-ep"], dtype="bfloat16"), BF16_IDS, [20, 1, 14]).float()
     for rank in range(world):
-        torch.testing.assert_close(results[rank]["moe-ep-bf16-logits"], ref, atol=0.1, rtol=0.05)
+        torch.testing.assert_close(torch.tensor(results[rank]["moe-ep-bf16-logits"]), ref, atol=0.1, rtol=0.05)
