@@ -10,6 +10,7 @@ then on admits only EOS, so the request ends instead of taking the worker down.
 
 from __future__ import annotations
 
+import contextvars
 import importlib.util
 import threading
 from collections.abc import Sequence
@@ -56,7 +57,9 @@ class StructuredDecoding:
         # first structured request does not stall every request of its step
         self._warm: threading.Thread | None = None
         if enabled and importlib.util.find_spec("llguidance") is not None:
-            self._warm = threading.Thread(target=self._llg_tokenizer, name="llg-tokenizer", daemon=True)
+            ctx = contextvars.copy_context()  # its log lines keep the actor/rank binding
+            self._warm = threading.Thread(target=ctx.run, args=(self._llg_tokenizer,), name="llg-tokenizer",
+                                          daemon=True)
             self._warm.start()
 
     # ------------------------------------------------------------------ matchers
