@@ -22,7 +22,8 @@ def add_train_eagle_parser(sub) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-tokens", type=int, default=1024)
     p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--data-cache", default="", help="save/load generated data + features here (.pt)")
+    p.add_argument("--data-cache", default="", help="load generated data + features from here (.pt; comma-separated: "
+                   "their union) when it exists, else generate and save it there")
     p.add_argument("--threads", type=int, default=None, help="torch threads here and in the engine (default: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-latency", action="store_true", help="skip the draft-step timing")

@@ -211,6 +211,23 @@ def make_jobs(num_prompts: int | None, seed: int) -> list:
     return [(p, t) for p in ps for t in (0.0, 0.8)]
 
 
+def load_data(paths: list[str]) -> tuple[list[Sequence], list[Sequence], float]:
+    """Training sequences of every cache (a sequence in several is kept once), held-out ones of
+    the first, and the data seconds they cost together."""
+    train, seen, evals, secs = [], set(), [], 0.0
+    for i, path in enumerate(paths):
+        data = torch.load(path, weights_only=False)
+        for s in data["train"]:
+            key = tuple(s.ids.tolist())
+            if key not in seen:
+                seen.add(key)
+                train.append(s)
+        evals = evals if i else data["eval"]
+        secs += data["gen_seconds"]
+        log.info("eagle.data_cache_loaded", path=path, seqs=len(data["train"]), kept_total=len(train))
+    return train, evals, secs
+
+
 def train_eagle(model: str, out: str, time_budget: float = 900.0, num_prompts: int | None = None,
                 draft_vocab_size: int = 8192, max_new_tokens: int = 160, data_fraction: float = 0.5,
                 num_eval_prompts: int | None = None, eval_max_new_tokens: int = 128, init: str = "random",
@@ -226,10 +243,12 @@ def train_eagle(model: str, out: str, time_budget: float = 900.0, num_prompts: i
     t_start = time.perf_counter()
     model_dir = resolve_model(model)
     mc = ModelConfig.from_dir(model_dir)
-    if data_cache and os.path.exists(data_cache):
-        data = torch.load(data_cache, weights_only=False)
-        seqs, evals, gen_s = data["train"], data["eval"], data["gen_seconds"]
-        log.info("eagle.data_cache_loaded", path=data_cache, seqs=len(seqs))
+    caches = [p for p in data_cache.split(",") if p]
+    missing = [p for p in caches if not os.path.exists(p)]
+    if len(caches) > 1 and missing:
+        raise ValueError(f"data caches {missing} do not exist (only a single --data-cache path is generated)")
+    if caches and not missing:
+        seqs, evals, gen_s = load_data(caches)
     else:
         held = held_out_prompts()[:num_eval_prompts]
         jobs = [(p, 0.0) for p in held] + make_jobs(num_prompts, cfg.seed)
@@ -238,8 +257,8 @@ def train_eagle(model: str, out: str, time_budget: float = 900.0, num_prompts: i
         for s in evals:  # held-out continuations are as long as eval asks; generation used max_new_tokens
             s.ids, s.feats, s.argmax = (x[: s.prompt_len + eval_max_new_tokens] for x in (s.ids, s.feats, s.argmax))
         gen_s = time.perf_counter() - t_start
-        if data_cache:
-            torch.save({"train": seqs, "eval": evals, "gen_seconds": gen_s}, data_cache)
+        if caches:
+            torch.save({"train": seqs, "eval": evals, "gen_seconds": gen_s}, caches[0])
     if not seqs:
         raise ValueError("no training sequences were generated within the time budget; raise --time-budget")
     rng = random.Random(cfg.seed)
