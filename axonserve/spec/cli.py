@@ -15,13 +15,15 @@ def add_train_eagle_parser(sub) -> None:
     p.add_argument("--num-eval-prompts", type=int, default=None, help="held-out prompts for acceptance")
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (most frequent outputs)")
     p.add_argument("--max-new-tokens", type=int, default=160)
-    p.add_argument("--gen-fraction", type=float, default=0.45, help="share of the budget for generation")
+    p.add_argument("--data-fraction", type=float, default=0.5,
+                   help="share of the budget for generating data and recording its features")
     p.add_argument("--init", choices=["random", "last"], default="random", help="layer init: random or target's last")
-    p.add_argument("--ttt-steps", type=int, default=2, help="chained steps trained per position (1: plain EAGLE-1)")
+    p.add_argument("--ttt-steps", type=int, default=1, help="chained steps trained per position (1: plain EAGLE-1)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-tokens", type=int, default=1024)
     p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--data-cache", default="", help="save/load generated data + features here (.pt)")
+    p.add_argument("--data-cache", default="", help="load generated data + features from here (.pt; comma-separated: "
+                   "their union) when it exists, else generate and save it there")
     p.add_argument("--threads", type=int, default=None, help="torch threads here and in the engine (default: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-latency", action="store_true", help="skip the draft-step timing")
@@ -39,7 +41,7 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
         engine["threads"] = args.threads
     cfg = TrainConfig(lr=args.lr, batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps, seed=args.seed)
     report = train_eagle(args.model, args.out, args.time_budget, args.num_prompts, args.draft_vocab,
-                         args.max_new_tokens, args.gen_fraction, args.num_eval_prompts, init=args.init, cfg=cfg,
+                         args.max_new_tokens, args.data_fraction, args.num_eval_prompts, init=args.init, cfg=cfg,
                          data_cache=args.data_cache, max_steps=args.max_steps, latency=not args.no_latency, **engine)
     print(json.dumps({k: report[k] for k in ("head_dir", "data", "val_top1", "acceptance") if k in report}, indent=1))
     return 0

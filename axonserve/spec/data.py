@@ -48,80 +48,100 @@ def encode_prompts(model_dir: str, prompts: list[Prompt]) -> list[list[int]]:
     return out
 
 
-def generate(model_dir: str, jobs: list[tuple[Prompt, float]], max_new_tokens: int, budget_s: float,
-             chunk: int = 64, seed: int = 0, **engine_kwargs) -> list[Sequence]:
-    """Run (prompt, temperature) jobs through the offline engine in chunks until the budget is spent."""
+def collect(model_dir: str, jobs: list[tuple[Prompt, float]], max_new_tokens: int, budget_s: float,
+            chunk: int = 64, seed: int = 0, **engine_kwargs) -> list[Sequence]:
+    """Run (prompt, temperature) jobs through the offline engine chunk by chunk, recording each
+    chunk's features as it lands, until the next chunk would overrun the budget (both phases
+    cost about the same on CPU, so the budget has to cover them together)."""
     from axonserve.frontends.offline import LLM
     from axonserve.protocol.messages import SamplingParams
 
     ids = encode_prompts(model_dir, [p for p, _ in jobs])
     t0 = time.perf_counter()
+    recorder = FeatureRecorder(model_dir)
     llm = LLM(model_dir, **engine_kwargs)
     seqs: list[Sequence] = []
     ntok, chunk_s = 0, 0.0
     try:
-        bar = tqdm(total=len(jobs), desc="self-distil: generate", unit="seq")
+        bar = tqdm(total=len(jobs), desc="self-distil: generate + features", unit="seq")
         for s in range(0, len(jobs), chunk):
             if seqs and time.perf_counter() - t0 + chunk_s > budget_s:  # the next chunk would overrun
-                log.info("eagle.generate_budget_spent", done=s, queued=len(jobs))
+                log.info("eagle.data_budget_spent", done=s, queued=len(jobs))
                 break
             c0 = time.perf_counter()
             part = list(range(s, min(s + chunk, len(jobs))))
             params = [SamplingParams(temperature=jobs[i][1], max_tokens=max_new_tokens, seed=seed + i) for i in part]
+            new = []
             for i, out in zip(part, llm.generate([ids[i] for i in part], params)):
                 comp = out.outputs[0].token_ids
-                seqs.append(Sequence(torch.tensor(ids[i] + comp), len(ids[i]), greedy=jobs[i][1] == 0,
-                                     kind=jobs[i][0].kind))
+                new.append(Sequence(torch.tensor(ids[i] + comp), len(ids[i]), greedy=jobs[i][1] == 0,
+                                    kind=jobs[i][0].kind))
                 ntok += len(comp)
+            g_s = time.perf_counter() - c0
+            recorder.record(new)
+            seqs += new
             chunk_s = time.perf_counter() - c0
             bar.update(len(part))
-            bar.set_postfix(tok_s=round(ntok / (time.perf_counter() - t0)))
+            bar.set_postfix(new_tok=ntok, gen_s=round(g_s), feat_s=round(chunk_s - g_s), refresh=False)
         bar.close()
     finally:
         llm.shutdown()
-    log.info("eagle.generated", seqs=len(seqs), new_tokens=ntok, seconds=round(time.perf_counter() - t0, 1))
+    log.info("eagle.collected", seqs=len(seqs), new_tokens=ntok, seconds=round(time.perf_counter() - t0, 1))
     return seqs
 
 
-@torch.inference_mode()
-def record_features(model_dir: str, seqs: list[Sequence], max_batch_tokens: int = 2048, block_size: int = 16,
-                    dtype: torch.dtype = torch.float32) -> None:
-    """Fill seq.feats / seq.argmax with a teacher-forced forward of axonserve's model (prefill path)."""
-    from axonserve.neuron.config import ModelConfig
-    from axonserve.neuron.loader import load_model
-    from axonserve.neuron.ops.attention import AttentionMetadata
+class FeatureRecorder:
+    """axonserve's model plus a scratch paged KV cache, for teacher-forced feature passes."""
 
-    mc = ModelConfig.from_dir(model_dir)
-    longest = max(len(s.ids) for s in seqs)
-    if longest > mc.max_position_embeddings:
-        raise ValueError(f"a sequence of {longest} tokens exceeds the model's {mc.max_position_embeddings} positions")
-    model = load_model(mc, dtype, progress=False)
-    budget = max(max_batch_tokens, longest)
-    nblocks = budget // block_size + len(seqs) + 1
-    kv = [(torch.zeros(nblocks, block_size, mc.num_kv_heads, mc.head_dim, dtype=dtype),
-           torch.zeros(nblocks, block_size, mc.num_kv_heads, mc.head_dim, dtype=dtype)) for _ in range(mc.num_layers)]
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
-    bar = tqdm(total=sum(len(s.ids) for s in seqs), desc="self-distil: features", unit="tok")
-    i = 0
-    while i < len(order):
-        batch, ntok = [], 0
-        while i < len(order) and (not batch or ntok + len(seqs[order[i]].ids) <= budget):
-            batch.append(seqs[order[i]])
-            ntok += len(batch[-1].ids)
-            i += 1
-        lens = [len(s.ids) for s in batch]
-        tables, nxt = [], 0
-        for n in lens:
-            nb = -(-n // block_size)
-            tables.append(list(range(nxt, nxt + nb)))
-            nxt += nb
-        meta = AttentionMetadata.build(lens, [0] * len(batch), tables, block_size)
-        hidden = model(torch.cat([s.ids for s in batch]), meta.positions, kv, meta)
-        am = model.compute_logits(hidden).argmax(dim=-1)
-        for s, h, a in zip(batch, hidden.split(lens), am.split(lens)):
-            s.feats, s.argmax = h.float().clone(), a.clone()
-        bar.update(ntok)
-    bar.close()
+    def __init__(self, model_dir: str, max_batch_tokens: int = 2048, block_size: int = 16,
+                 dtype: torch.dtype = torch.float32):
+        from axonserve.neuron.config import ModelConfig
+        from axonserve.neuron.loader import load_model
+
+        self.mc = ModelConfig.from_dir(model_dir)
+        self.model = load_model(self.mc, dtype, progress=False)
+        self.budget, self.block_size, self.dtype = max_batch_tokens, block_size, dtype
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _cache(self, blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if not self.kv or self.kv[0][0].shape[0] < blocks:
+            shape = (blocks, self.block_size, self.mc.num_kv_heads, self.mc.head_dim)
+            self.kv = [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+                       for _ in range(self.mc.num_layers)]
+        return self.kv
+
+    @torch.inference_mode()
+    def record(self, seqs: list[Sequence]) -> None:
+        """Fill seq.feats / seq.argmax: whole sequences as prefill chunks of one flat batch, the
+        runner's own path (AttentionMetadata.build, model forward, compute_logits)."""
+        from axonserve.neuron.ops.attention import AttentionMetadata
+
+        if not seqs:
+            return
+        longest = max(len(s.ids) for s in seqs)
+        if longest > self.mc.max_position_embeddings:
+            raise ValueError(f"a sequence of {longest} tokens exceeds the model's "
+                             f"{self.mc.max_position_embeddings} positions")
+        budget, bs = max(self.budget, longest), self.block_size
+        kv = self._cache(budget // bs + len(seqs) + 1)
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
+        i = 0
+        while i < len(order):
+            batch, ntok = [], 0
+            while i < len(order) and (not batch or ntok + len(seqs[order[i]].ids) <= budget):
+                batch.append(seqs[order[i]])
+                ntok += len(batch[-1].ids)
+                i += 1
+            lens = [len(s.ids) for s in batch]
+            tables, nxt = [], 0
+            for n in lens:
+                tables.append(list(range(nxt, nxt + -(-n // bs))))
+                nxt += len(tables[-1])
+            meta = AttentionMetadata.build(lens, [0] * len(batch), tables, bs)
+            hidden = self.model(torch.cat([s.ids for s in batch]), meta.positions, kv, meta)
+            am = self.model.compute_logits(hidden).argmax(dim=-1)
+            for s, h, a in zip(batch, hidden.split(lens), am.split(lens)):
+                s.feats, s.argmax = h.float().clone(), a.clone()
 
 
 def draft_vocab(seqs: list[Sequence], size: int, vocab_size: int, always: list[int] = ()) -> torch.Tensor:

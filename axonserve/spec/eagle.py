@@ -35,6 +35,23 @@ log = structlog.get_logger()
 CONFIG_NAME = "eagle_config.json"
 WEIGHTS_NAME = "model.safetensors"
 D2T_NAME = "d2t"  # draft id -> target id map, saved next to the weights
+HEADS_DIR = os.path.join(os.path.dirname(__file__), "heads")  # heads shipped as package data
+_BUILTIN_HEADS = {"SmolLM2-135M-Instruct": "smollm2-135m-instruct",
+                  "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m-instruct"}
+
+
+def builtin_head_dir(model: str | None) -> str | None:
+    """The head for a built-in model name (None: the default model): shipped in the package, else
+    trained into ~/.cache/axonserve/eagle/ by `axonserve train-eagle`; None when there is none."""
+    from axonserve.neuron.model_source import DEFAULT_MODEL, cache_dir
+
+    name = _BUILTIN_HEADS.get(model or DEFAULT_MODEL)
+    if name is None:
+        return None
+    for d in (os.path.join(HEADS_DIR, name), os.path.join(cache_dir(), "eagle", name)):
+        if os.path.isfile(os.path.join(d, CONFIG_NAME)) and os.path.isfile(os.path.join(d, WEIGHTS_NAME)):
+            return d
+    return None
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 1. Generate: the target answers built-in prompts through axonserve's offline engine (each prompt
    once greedy, once at temperature 0.8).
-2. Record features: a teacher-forced forward of axonserve's own model over every sequence.
+2. Record features: a teacher-forced forward of axonserve's own model over every sequence, chunk
+   by chunk as generation lands (on CPU it costs about as much as generating), both within
+   `data_fraction` of the time budget.
 3. Train (AdamW, warm-up + cosine over the remaining time): EAGLE-1 loss, smooth-L1 on the
    next feature + 0.1 x soft-label CE over the draft vocabulary, uniform noise on input
    features; optionally unrolled over `ttt_steps` chained predictions (EAGLE-3's training-time
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from axonserve.spec.data import Sequence, draft_vocab, generate, record_features
+from axonserve.spec.data import Sequence, collect, draft_vocab
 from axonserve.spec.eagle import EagleHead, target_vocab_tensors
 from axonserve.spec.evaluate import draft_step_latency, simulate_acceptance
 from axonserve.spec.prompts import held_out_prompts, training_prompts
@@ -41,7 +43,7 @@ class TrainConfig:
     warmup_steps: int = 20
     batch_tokens: int = 1024  # loss tokens per optimiser step (about)
     max_len: int = 512  # longer sequences are cut
-    ttt_steps: int = 2  # chained predictions trained per position (1 = plain EAGLE-1)
+    ttt_steps: int = 1  # chained predictions trained per position (1 = plain EAGLE-1; 2 measured worse per CPU-minute)
     ttt_decay: float = 0.8  # weight of chained step j is decay**(j-1)
     ce_weight: float = 0.1
     noise: float = 0.1  # uniform noise half-width on input features
@@ -209,8 +211,25 @@ def make_jobs(num_prompts: int | None, seed: int) -> list:
     return [(p, t) for p in ps for t in (0.0, 0.8)]
 
 
+def load_data(paths: list[str]) -> tuple[list[Sequence], list[Sequence], float]:
+    """Training sequences of every cache (a sequence in several is kept once), held-out ones of
+    the first, and the data seconds they cost together."""
+    train, seen, evals, secs = [], set(), [], 0.0
+    for i, path in enumerate(paths):
+        data = torch.load(path, weights_only=False)
+        for s in data["train"]:
+            key = tuple(s.ids.tolist())
+            if key not in seen:
+                seen.add(key)
+                train.append(s)
+        evals = evals if i else data["eval"]
+        secs += data["gen_seconds"]
+        log.info("eagle.data_cache_loaded", path=path, seqs=len(data["train"]), kept_total=len(train))
+    return train, evals, secs
+
+
 def train_eagle(model: str, out: str, time_budget: float = 900.0, num_prompts: int | None = None,
-                draft_vocab_size: int = 8192, max_new_tokens: int = 160, gen_fraction: float = 0.45,
+                draft_vocab_size: int = 8192, max_new_tokens: int = 160, data_fraction: float = 0.5,
                 num_eval_prompts: int | None = None, eval_max_new_tokens: int = 128, init: str = "random",
                 val_fraction: float = 0.08, cfg: TrainConfig | None = None, data_cache: str = "",
                 max_steps: int | None = None, save_dtype: str = "bfloat16", latency: bool = True,
@@ -224,21 +243,22 @@ def train_eagle(model: str, out: str, time_budget: float = 900.0, num_prompts: i
     t_start = time.perf_counter()
     model_dir = resolve_model(model)
     mc = ModelConfig.from_dir(model_dir)
-    if data_cache and os.path.exists(data_cache):
-        data = torch.load(data_cache, weights_only=False)
-        seqs, evals, gen_s = data["train"], data["eval"], data["gen_seconds"]
-        log.info("eagle.data_cache_loaded", path=data_cache, seqs=len(seqs))
+    caches = [p for p in data_cache.split(",") if p]
+    missing = [p for p in caches if not os.path.exists(p)]
+    if len(caches) > 1 and missing:
+        raise ValueError(f"data caches {missing} do not exist (only a single --data-cache path is generated)")
+    if caches and not missing:
+        seqs, evals, gen_s = load_data(caches)
     else:
         held = held_out_prompts()[:num_eval_prompts]
         jobs = [(p, 0.0) for p in held] + make_jobs(num_prompts, cfg.seed)
-        seqs = generate(model_dir, jobs, max_new_tokens, time_budget * gen_fraction, seed=cfg.seed, **engine_kwargs)
-        record_features(model_dir, seqs)
+        seqs = collect(model_dir, jobs, max_new_tokens, time_budget * data_fraction, seed=cfg.seed, **engine_kwargs)
         evals, seqs = seqs[: len(held)], seqs[len(held):]
         for s in evals:  # held-out continuations are as long as eval asks; generation used max_new_tokens
             s.ids, s.feats, s.argmax = (x[: s.prompt_len + eval_max_new_tokens] for x in (s.ids, s.feats, s.argmax))
         gen_s = time.perf_counter() - t_start
-        if data_cache:
-            torch.save({"train": seqs, "eval": evals, "gen_seconds": gen_s}, data_cache)
+        if caches:
+            torch.save({"train": seqs, "eval": evals, "gen_seconds": gen_s}, caches[0])
     if not seqs:
         raise ValueError("no training sequences were generated within the time budget; raise --time-budget")
     rng = random.Random(cfg.seed)
