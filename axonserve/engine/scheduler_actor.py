@@ -261,13 +261,7 @@ class SchedulerActor(Actor):
     async def _encoded_loop(self) -> None:
         """The encoder router's answers: features join their request, which is then queued."""
         assert self.encoder_router is not None
-        while True:
-            frames = await self.encoder_router.recv_multipart(copy=False)
-            try:
-                msg, _ = _encoded_codec.decode(frames)
-            except DecodeError as e:
-                self.log.warning("bad_router_message", error=str(e))
-                continue
+        async for msg, frames in self.messages(self.encoder_router, _encoded_codec, "encoder router"):
             req = self.encoding.pop(msg.request_id, None)
             if req is None:  # aborted (or failed) while encoding
                 continue
