@@ -283,10 +283,12 @@ class SchedulerActor(Actor):
         now = time.monotonic()
         done = req.append_token(d.new_token_ids[0], self.sched.cfg.eos_token_ids)
         req.t_first = req.t_last = now
+        req.num_cached_tokens = d.num_cached_tokens  # the prefill engine's prefix-cache hit
         self.sched.ttft.append(now - req.t_arrival)
         self.sched.generation_tokens += 1
         delta = RequestDelta(req.request_id, d.new_token_ids[:1], logprobs=d.logprobs,
-                             prompt_logprobs=d.prompt_logprobs, num_prompt_tokens=req.num_prompt_tokens)
+                             prompt_logprobs=d.prompt_logprobs, num_prompt_tokens=req.num_prompt_tokens,
+                             num_cached_tokens=req.num_cached_tokens)
         if done:
             delta.finish_reason, delta.stop_reason = req.finish_reason, req.stop_reason
         await self._send_deltas([delta])  # before any later token of it can leave
