@@ -37,19 +37,25 @@ async def test_pd_text_greedy_matches_transformers(tiny_llama_dir):
 
 
 @pytest.mark.timeout(300)
-async def test_pd_llava_greedy_matches_transformers(tiny_llava_dir):
+@pytest.mark.parametrize("encoders", [0, 2], ids=["prefill-worker-encodes", "encoder-pool"])
+async def test_pd_llava_greedy_matches_transformers(tiny_llava_dir, encoders):
+    """Images too: encoded by the prefill worker, or by the encoder pool before the prefill
+    engine gets the features (encode -> prefill -> decode, three pools)."""
     from transformers import AutoTokenizer
 
     from conftest import hf_llava_greedy
 
     config = EngineConfig(model=tiny_llava_dir, role="decode", block_size=4, num_kv_blocks=400,
-                          max_num_batched_tokens=32, log_level="warning", threads=1)
-    got, stats, _ = await run_engine(config, CASES)
+                          max_num_batched_tokens=32, log_level="warning", threads=1, encoder_workers=encoders)
+    got, stats, (same_image, other_image) = await run_engine(config, CASES)
     tok = AutoTokenizer.from_pretrained(tiny_llava_dir)
     for (ids, toks), messages in zip(got, CASES):
         text, imgs = render(tok, messages, "<image>")
         assert toks == hf_llava_greedy(tiny_llava_dir, text, imgs, N)[1]
-    assert stats.num_steps > 0
+    assert stats.num_steps > 0 and stats.prefix_cache_queries == 0  # every prompt's KV was imported
+    assert same_image > 0 and other_image == 0  # the prefill engine's prefix cache, keyed by image
+    if encoders:
+        assert stats.mm_cache_hits >= 1
 
 
 @pytest.mark.timeout(180)

@@ -102,6 +102,22 @@ class Actor:
             s.connect(address)
         return s
 
+    async def messages(self, sock: zmq.asyncio.Socket, codec: Codec, what: str, routed: bool = False):
+        """Decoded messages from `sock` forever: (message, frames[, sender identity]). Junk is
+        logged and dropped. `routed`: a ROUTER socket (frame 0 is the sender; frames start
+        after it, so TensorRef indexes stay relative to the body)."""
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            sender = frames[0].bytes if routed else b""
+            if routed:
+                frames = frames[1:]
+            try:
+                msg, _ = codec.decode(frames)
+            except DecodeError as e:
+                self.log.warning("bad_message", what=what, sender=sender.decode(errors="replace"), error=str(e))
+                continue
+            yield (msg, frames, sender) if routed else (msg, frames)
+
     def publish(self, event: Any) -> None:
         """Send a stats event without ever waiting: under back-pressure it is dropped, counted."""
         if self._stats_sock is None:

@@ -81,13 +81,7 @@ class PrefillPool:
 
     async def run(self) -> None:
         """The prefill engine's answers: first tokens (with KV) and failures."""
-        while True:
-            frames = await self.sock.recv_multipart(copy=False)
-            try:
-                msg, _ = _codec.decode(frames)
-            except DecodeError as e:
-                self.actor.log.warning("bad_prefill_message", error=str(e))
-                continue
+        async for msg, frames in self.actor.messages(self.sock, _codec, "prefill engine"):
             if isinstance(msg, EngineDead):
                 self.dead = f"prefill engine died: {msg.reason}"
                 for req in self.take_all():

@@ -24,7 +24,7 @@ import zmq
 
 from axonserve.actors.runtime import Actor
 from axonserve.engine.images import frame_bytes, ref_frame
-from axonserve.protocol import Codec, DecodeError, TensorRef
+from axonserve.protocol import Codec, TensorRef
 from axonserve.protocol.messages import EncodeImages, EncoderStats, Hello, ImagesEncoded
 
 _codec = Codec(EncodeImages | ImagesEncoded | Hello)
@@ -99,18 +99,11 @@ class EncoderRouter(Actor):
     async def run(self) -> None:
         expiry = asyncio.create_task(self._expire_loop(), name="expire")
         try:
-            while True:
-                frames = await self.sock.recv_multipart(copy=False)
-                ident = frames[0].bytes
-                try:
-                    msg, _ = _codec.decode(frames[1:])
-                except DecodeError as e:
-                    self.log.warning("bad_message", sender=ident, error=str(e))
-                    continue
+            async for msg, frames, ident in self.messages(self.sock, _codec, "router", routed=True):
                 if isinstance(msg, EncodeImages):
-                    await self._on_request(msg, frames[1:])
+                    await self._on_request(msg, frames)
                 elif isinstance(msg, ImagesEncoded):
-                    await self._on_encoded(ident, msg, frames[1:])
+                    await self._on_encoded(ident, msg, frames)
                 elif isinstance(msg, Hello):
                     await self._on_hello(ident)
         finally:

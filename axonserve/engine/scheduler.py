@@ -353,7 +353,8 @@ class Scheduler:
             req.num_computed_tokens = 0
             return 0
         if first_time:
-            req.num_cached_tokens = hit if req.kv is None else 0
+            if req.kv is None:  # (P/D: the prefill engine's count, set on arrival)
+                req.num_cached_tokens = hit
             req.t_scheduled = time.monotonic()
         if cfg.enable_prefix_caching and req.kv is None:
             self.prefix_queries += req.num_tokens

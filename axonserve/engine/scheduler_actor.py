@@ -270,13 +270,7 @@ class SchedulerActor(Actor):
     async def _encoded_loop(self) -> None:
         """The encoder router's answers: features join their request, which is then queued."""
         assert self.encoder_router is not None
-        while True:
-            frames = await self.encoder_router.recv_multipart(copy=False)
-            try:
-                msg, _ = _encoded_codec.decode(frames)
-            except DecodeError as e:
-                self.log.warning("bad_router_message", error=str(e))
-                continue
+        async for msg, frames in self.messages(self.encoder_router, _encoded_codec, "encoder router"):
             req = self.encoding.pop(msg.request_id, None)
             if req is None:  # aborted (or failed) while encoding
                 continue
@@ -298,10 +292,12 @@ class SchedulerActor(Actor):
         now = time.monotonic()
         done = req.append_token(d.new_token_ids[0], self.sched.cfg.eos_token_ids)
         req.t_first = req.t_last = now
+        req.num_cached_tokens = d.num_cached_tokens  # the prefill engine's prefix-cache hit
         self.sched.ttft.append(now - req.t_arrival)
         self.sched.generation_tokens += 1
         delta = RequestDelta(req.request_id, d.new_token_ids[:1], logprobs=d.logprobs,
-                             prompt_logprobs=d.prompt_logprobs, num_prompt_tokens=req.num_prompt_tokens)
+                             prompt_logprobs=d.prompt_logprobs, num_prompt_tokens=req.num_prompt_tokens,
+                             num_cached_tokens=req.num_cached_tokens)
         if done:
             delta.finish_reason, delta.stop_reason = req.finish_reason, req.stop_reason
         await self._send_deltas([delta])  # before any later token of it can leave

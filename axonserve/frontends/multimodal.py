@@ -16,6 +16,7 @@ import hashlib
 import io
 import json
 import os
+import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
@@ -170,6 +171,16 @@ def _image_bytes(url: str, cfg: EngineConfig) -> bytes:
     return data
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect could lead off the allowed hosts: it is an error instead."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001 - urllib's signature
+        raise urllib.error.HTTPError(req.full_url, code, "redirects are not followed for image URLs", headers, fp)
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
 def _fetch(url: str, cfg: EngineConfig) -> bytes:
     host = urllib.parse.urlsplit(url).hostname or ""
     allowed = cfg.allowed_media_domains
@@ -179,7 +190,7 @@ def _fetch(url: str, cfg: EngineConfig) -> bytes:
     if "*" not in allowed and host not in allowed:
         raise ParamError("messages", f"image host {host!r} is not in --allowed-media-domains")
     try:
-        with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as r:  # noqa: S310 - scheme checked above
+        with _OPENER.open(url, timeout=FETCH_TIMEOUT_S) as r:
             data = r.read(cfg.max_image_bytes + 1)
     except (OSError, ValueError) as e:
         raise ParamError("messages", f"cannot fetch the image from {host}: {type(e).__name__}: {e}") from None

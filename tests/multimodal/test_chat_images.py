@@ -28,6 +28,11 @@ def image_host():
 
     class Handler(http_server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
+            if self.path.startswith("/redirect"):
+                self.send_response(302)
+                self.send_header("Location", "http://images.example.com/cat.png")
+                self.end_headers()
+                return
             seed = int(self.path.rsplit("/", 1)[1].split(".")[0])
             body = png_bytes(seed)
             self.send_response(200)
@@ -120,6 +125,11 @@ def test_image_url_from_an_allowed_host(http, tiny_llava_dir, image_host):
     r = ask(http, "What is in ", image_part(f"{image_host}/img/11.png"), "?")
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == reference(tiny_llava_dir, ("What is in ", 11, "?"))
+
+
+def test_image_url_redirects_are_not_followed(http, image_host):
+    assert "redirects are not followed" in _error(ask(http, "Look: ", image_part(f"{image_host}/redirect")), 400)[
+        "message"]
 
 
 @pytest.mark.parametrize("url, why", [

@@ -128,3 +128,12 @@ def test_worker_image_cache_encodes_each_image_once_within_its_budget():
     assert Tower.calls == 2 and torch.equal(out[0], out[2])  # "a" twice in one request: once
     cache.encode(["c"], px[:1])
     assert list(cache.cache) == ["a", "c"] and cache.size == 64  # "b" (least recent) evicted
+
+
+def test_snapshot_capture_finds_the_decoder_layers(tiny_llava_dir):
+    from axonserve.neuron.config import ModelConfig
+    from axonserve.neuron.loader import load_model
+    from axonserve.neuron.snapshot import decoder_layers
+
+    model = load_model(ModelConfig.from_dir(tiny_llava_dir), torch.float32, progress=False)
+    assert decoder_layers(model) == list(model.language_model.model.layers)

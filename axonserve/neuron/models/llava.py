@@ -54,10 +54,7 @@ class LlavaForConditionalGeneration(nn.Module):
         if self.strategy not in ("default", "full"):
             raise ValueError(f"vision_feature_select_strategy {self.strategy!r} is not supported; "
                              "supported: default, full")
-        self.vision_tower = CLIPVisionTower(vc, dtype)
-        self.multi_modal_projector = LlavaProjector(
-            vc["hidden_size"] * len(self.feature_layers), cfg.hidden_size, raw.get("projector_hidden_act", "gelu"),
-            bool(raw.get("multimodal_projector_bias", True)), dtype)
+        # the decoder first: its layers are the model's first `layers` list (snapshot capture)
         self.language_model: nn.Module | None = None
         if not vision_only:
             from axonserve.neuron.registry import model_class
@@ -67,6 +64,10 @@ class LlavaForConditionalGeneration(nn.Module):
             if getattr(lm_cls, "is_multimodal", False) or not hasattr(lm_cls, "compute_logits"):
                 raise ValueError(f"LLaVA decoder {text_arch} is not a supported causal LM")
             self.language_model = lm_cls(dataclasses.replace(cfg, architecture=text_arch), dtype)
+        self.vision_tower = CLIPVisionTower(vc, dtype)
+        self.multi_modal_projector = LlavaProjector(
+            vc["hidden_size"] * len(self.feature_layers), cfg.hidden_size, raw.get("projector_hidden_act", "gelu"),
+            bool(raw.get("multimodal_projector_bias", True)), dtype)
 
     @property
     def tokens_per_image(self) -> int:
