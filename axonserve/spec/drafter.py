@@ -33,19 +33,18 @@ from axonserve.protocol.messages import (
 )
 
 _codec = Codec(DraftRequest)
-HEADS_DIR = os.path.join(os.path.dirname(__file__), "heads")
-DEFAULT_HEADS = {"SmolLM2-135M-Instruct": "smollm2-135m-instruct"}  # served model -> shipped head
 
 
 def head_dir(model: str, served_name: str) -> str:
-    """The `model` of --speculative-config, or the head shipped for the served model."""
+    """The `model` of --speculative-config, or the head shipped (or trained) for the served model."""
+    from axonserve.spec.eagle import builtin_head_dir
+
     if model:
         if not os.path.isfile(os.path.join(model, "eagle_config.json")):
             raise ValueError(f"EAGLE head directory {model!r} holds no eagle_config.json")
         return model
-    name = DEFAULT_HEADS.get(served_name.removeprefix("HuggingFaceTB/"))
-    path = os.path.join(HEADS_DIR, name) if name else ""
-    if not path or not os.path.isfile(os.path.join(path, "eagle_config.json")):
+    path = builtin_head_dir(served_name.removeprefix("HuggingFaceTB/"))
+    if path is None:
         raise ValueError(f"no EAGLE head ships for {served_name!r}: pass \"model\": HEAD_DIR in --speculative-config "
                          "(make one with `axonserve train-eagle`)")
     return path

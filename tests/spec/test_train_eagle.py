@@ -18,7 +18,7 @@ from axonserve.spec.train import REPORT_NAME, TrainConfig, top1
 def trained(tiny_llama_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("eagle")
     with pytest.raises(SystemExit) as e:
-        main(["train-eagle", tiny_llama_dir, "--out", str(out / "head"), "--time-budget", "35", "--lr", "3e-3",
+        main(["train-eagle", tiny_llama_dir, "--out", str(out / "head"), "--time-budget", "50", "--lr", "3e-3",
               "--num-prompts", "8", "--num-eval-prompts", "3", "--draft-vocab", "512", "--max-new-tokens", "40",
               "--batch-tokens", "256", "--data-cache", str(out / "data.pt"), "--no-latency"])
     assert e.value.code == 0
@@ -30,7 +30,7 @@ def test_report_and_files(trained):
     assert sorted(os.listdir(head_dir)) == ["eagle_config.json", REPORT_NAME, "model.safetensors"]
     r = json.load(open(os.path.join(head_dir, REPORT_NAME)))
     assert r["draft_vocab_size"] == 512 and r["data"]["train_seqs"] + r["data"]["val_seqs"] == 16
-    assert r["total_seconds"] < 60 and r["train"]["steps"] > 10
+    assert r["total_seconds"] < 75 and r["train"]["steps"] > 10
     assert [a["k"] for a in r["acceptance"]] == [1, 2, 3, 4]
     for a in r["acceptance"]:
         assert a["rounds"] > 0 and 1.0 <= a["mean_accepted_length"] <= 1 + a["k"]
