@@ -416,7 +416,9 @@ class Scheduler:
             num_scheduled_tokens=new_n + cached_n,
             finished_request_ids=self._to_drop,
             draft_token_ids=drafts,
-            want_features=self.want_features,
+            # EAGLE's drafter only hears of steps it may draft for: above disable_by_batch_size
+            # it would only take cores from the workers (positions it missed count as gaps)
+            want_features=self.want_features and self.spec is not None and self.spec.active(self.running),
         )
         self._to_drop = []
         return plan

@@ -76,13 +76,17 @@ class SpecDecoding:
             and p.repetition_penalty == 1.0
         )
 
+    def active(self, running: list[Request]) -> bool:
+        """Speculation is on: at most disable_by_batch_size requests decode (0: no limit)."""
+        limit = self.cfg.disable_by_batch_size
+        return not limit or sum(r.num_tokens - r.num_computed_tokens <= 1 for r in running) <= limit
+
     def candidates(self, running: list[Request]) -> list[tuple[Request, int]]:
         """(request, how many drafts it may take) for this step's proposals; empty when the
         decoding batch is past disable_by_batch_size."""
-        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
-        limit = self.cfg.disable_by_batch_size
-        if limit and len(decoding) > limit:
+        if not self.active(running):
             return []
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         out = []
         for r in decoding:
             if r.spec is None:
