@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import importlib
 import os
 import signal
 import sys
@@ -31,40 +32,25 @@ def _die_with_parent(parent_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+# actor kind -> "module:class", imported only in the process that runs it (a worker never
+# imports the HTTP stack, a frontend never imports torch)
+ACTORS = {
+    "scheduler": "axonserve.engine.scheduler_actor:SchedulerActor",
+    "worker": "axonserve.neuron.worker:WorkerActor",
+    "metrics": "axonserve.actors.metrics:MetricsActor",
+    "snapshot": "axonserve.actors.snapshot:SnapshotSink",
+    "drafter": "axonserve.spec.drafter:DrafterActor",
+    "router": "axonserve.engine.encoder_router:EncoderRouter",
+    "encoder": "axonserve.neuron.encoder:EncoderActor",
+    "frontend": "axonserve.frontends.openai.actor:FrontendActor",
+}
+
+
 def actor_class(kind: str):
-    if kind == "scheduler":
-        from axonserve.engine.scheduler_actor import SchedulerActor
-
-        return SchedulerActor
-    if kind == "worker":
-        from axonserve.neuron.worker import WorkerActor
-
-        return WorkerActor
-    if kind == "metrics":
-        from axonserve.actors.metrics import MetricsActor
-
-        return MetricsActor
-    if kind == "snapshot":
-        from axonserve.actors.snapshot import SnapshotSink
-
-        return SnapshotSink
-    if kind == "drafter":
-        from axonserve.spec.drafter import DrafterActor
-
-        return DrafterActor
-    if kind == "router":
-        from axonserve.engine.encoder_router import EncoderRouter
-
-        return EncoderRouter
-    if kind == "encoder":
-        from axonserve.neuron.encoder import EncoderActor
-
-        return EncoderActor
-    if kind == "frontend":
-        from axonserve.frontends.openai.actor import FrontendActor
-
-        return FrontendActor
-    raise ValueError(f"unknown actor kind {kind!r}")
+    if kind not in ACTORS:
+        raise ValueError(f"unknown actor kind {kind!r}")
+    module, name = ACTORS[kind].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 async def _run(spec: ActorSpec) -> int:

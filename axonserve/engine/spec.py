@@ -56,7 +56,7 @@ class SpecDecoding:
     """Scheduler-side speculation policy and vLLM's spec_decode counters."""
 
     def __init__(self, cfg: SpeculativeConfig):
-        self.cfg = cfg.validate()
+        self.cfg = cfg  # validated with its EngineConfig
         self.k = cfg.num_speculative_tokens
         # counters (vllm:spec_decode_*): steps that verified drafts, drafted, accepted, per position
         self.num_drafts = 0
