@@ -26,6 +26,7 @@ from axonserve.neuron.loader import load_model
 from axonserve.neuron.models.bert import EncoderBatch
 from axonserve.neuron.kv_transfer import export_kv, import_kv
 from axonserve.neuron.multimodal import ImageEncoderCache, RequestImages, batch_rows
+from axonserve.neuron.ops import native
 from axonserve.neuron.ops.attention import AttentionMetadata, build_static
 from axonserve.neuron.parallel import (
     CollectiveError,
@@ -118,6 +119,7 @@ class ModelRunner:
         self.kv_caches = [] if embed else self._allocate_kv_cache(self.num_kv_blocks + (self.buckets is not None))
         self.result_tensors: list[torch.Tensor] = []  # extra frames the last StepResult's TensorRefs name
         self.sampler = Sampler(self.eos_token_ids, config.seed)
+        self.native = native.for_dtype(self.dtype)  # fused C++ kernels (None: the torch path)
         self.structured = StructuredDecoding(config.model, self.vocab_size, self.eos_token_ids, enabled=rank == 0)
         self.requests: dict[str, RequestState] = {}
         self.snapshots = StepSnapshots.from_config(self.model, config.snapshot, rank)  # --snapshot capture
@@ -135,6 +137,7 @@ class ModelRunner:
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             buckets=self.buckets.as_dict() if self.buckets else None,
+            native_kernels=self.native is not None,
         )
 
     def image_info(self) -> dict[str, int]:
@@ -254,7 +257,8 @@ class ModelRunner:
             input_ids.extend(st.token_ids[c : c + n] if d is None else [st.token_ids[c], *d])
             last_tok[st.request_id] = len(input_ids) - 1
         meta = AttentionMetadata.build(
-            [n for _, n in flat], [st.num_computed_tokens for st, _ in flat], [st.block_ids for st, _ in flat], self.block_size
+            [n for _, n in flat], [st.num_computed_tokens for st, _ in flat], [st.block_ids for st, _ in flat],
+            self.block_size, native=self.native,
         )
         if self.snapshots is not None:
             self.snapshots.begin(plan.step_id, contiguous_rows(flat), torch.tensor(input_ids), meta.positions)

@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from axonserve.neuron.model_source import resolve_model
+from axonserve.neuron.ops import native
 from axonserve.protocol.messages import SamplingParams
 
 from .conftest import MiniScheduler, hf_model, make_runner, make_tiny_llama, runner_logits
 
 
-def test_logits_match_transformers(tiny_llama_dir):
+@pytest.fixture(params=["native", "torch"])
+def kernels_path(request, monkeypatch):
+    """Each parity test runs on the fused C++ kernels (when built) and on the plain torch path."""
+    if request.param == "torch":
+        monkeypatch.setattr(native, "_state", {"mod": None})
+    elif native.kernels() is None:
+        pytest.skip("native kernels unavailable")
+    return request.param
+
+
+def test_logits_match_transformers(tiny_llama_dir, kernels_path):
     runner = make_runner(resolve_model(tiny_llama_dir))
+    assert (runner.native is not None) == (kernels_path == "native")
     ids = torch.randint(0, 1024, (37,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         ref = hf_model(tiny_llama_dir)(torch.tensor([ids])).logits[0]
@@ -48,7 +61,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def test_greedy_generation_matches_transformers(tiny_llama_dir):
+def test_greedy_generation_matches_transformers(tiny_llama_dir, kernels_path):
     g = torch.Generator().manual_seed(3)
     prompts = {
         "a": torch.randint(3, 1024, (13,), generator=g).tolist(),  # chunked 5+5+3
@@ -71,7 +84,7 @@ def test_greedy_generation_matches_transformers(tiny_llama_dir):
         assert got[rid] == hf_greedy(model, p, n_new), rid
 
 
-def test_bfloat16_close_to_transformers_bfloat16(tiny_llama_dir):
+def test_bfloat16_close_to_transformers_bfloat16(tiny_llama_dir, kernels_path):
     from transformers import AutoModelForCausalLM
 
     ids = list(range(5, 40))

@@ -1,12 +1,14 @@
 """RMSNorm with transformers' rounding: normalise in float32, cast back, then scale by the weight.
 
-Uses torch's fused rms_norm kernel (one op instead of seven, same float32 math)."""
+Uses the native fused kernel when built (ops/native.py), else torch's fused rms_norm (same float32 math)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from axonserve.neuron.ops import native
 
 
 class RMSNorm(nn.Module):
@@ -15,7 +17,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(x); with `residual`: residual += x in place (rounded to its dtype), then norm(residual)
+        -- one fused pass with the native kernels, which the decoder's residual adds use."""
+        k = native.for_dtype(x.dtype) if x.dim() == 2 and x.is_contiguous() else None
+        if k is not None:
+            out = torch.empty_like(x)
+            k.rms_norm(out, x, residual, self.weight, self.eps)
+            return out
+        if residual is not None:
+            x = residual.add_(x)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)

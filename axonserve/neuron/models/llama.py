@@ -28,6 +28,7 @@ from axonserve.neuron.layers.linear import (
 from axonserve.neuron.layers.moe import SparseMoeBlock
 from axonserve.neuron.layers.norm import RMSNorm
 from axonserve.neuron.layers.rotary import RotaryEmbedding, apply_rotary
+from axonserve.neuron.ops import native
 from axonserve.neuron.ops.attention import AttentionMetadata, paged_attention
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -50,13 +51,23 @@ class LlamaAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
+        """With native kernels (meta.native) cos/sin are the whole [positions, D] tables."""
         t, d, hq, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, d)
         qk = qkv[:, : hq + hkv]  # Q and K heads are adjacent: rotate both at once
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq : hq + hkv])), dim=1)  # type: ignore[misc]
-        qk = apply_rotary(qk, cos, sin)
-        o = paged_attention(qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :], kv_cache[0], kv_cache[1], meta, self.scale)
+        if meta.native is not None:  # rotate in place and write K/V into the cache in one pass
+            if self.q_norm is not None:
+                qkv[:, : hq + hkv] = qk
+            qkv = qkv.contiguous()
+            meta.native.rotary_kv_write(qkv, hq, hkv, cos, sin, meta.positions, kv_cache[0], kv_cache[1],
+                                        meta.slot_mapping)
+            o = paged_attention(qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :], kv_cache[0], kv_cache[1],
+                                meta, self.scale, write_cache=False)
+        else:
+            qk = apply_rotary(qk, cos, sin)
+            o = paged_attention(qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :], kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.view(t, -1))
 
 
@@ -68,7 +79,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        k = native.for_dtype(gate_up.dtype) if gate_up.dim() == 2 and gate_up.is_contiguous() else None
+        if k is not None:
+            return self.down_proj(k.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -88,8 +103,9 @@ class LlamaDecoderLayer(nn.Module):
             self.mlp = LlamaMLP(cfg, dtype)
 
     def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        n = self.post_attention_layernorm(x, residual=h)  # h += x (the new residual), n = norm(h)
+        return h + self.mlp(n)
 
 
 class LlamaModel(nn.Module):
@@ -104,7 +120,8 @@ class LlamaModel(nn.Module):
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """inputs_embeds: the embedded batch when a caller replaced some rows (LLaVA's images)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        cos, sin = self.rotary(positions)
+        # the native rotary kernel indexes the tables by position itself
+        cos, sin = (self.rotary.cos, self.rotary.sin) if meta.native is not None else self.rotary(positions)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv, meta)
         return self.norm(x)

@@ -12,6 +12,7 @@ code does no Python work per token and no host syncs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -47,12 +48,21 @@ class AttentionMetadata:
     static_prefill: tuple[int, int] | None = None  # (batch, query_len) bucket
     prefill_block_table: torch.Tensor | None = None  # [batch, kv_len / block_size] long
     prefill_mask: torch.Tensor | None = None  # [batch, 1, query_len, kv_len] bool
+    # fused C++ kernels (ops/native.py): the decode and short-chunk rows [0, native_rows) read their
+    # K/V blocks in place instead of the gather + masked SDPA above (whose tables are then not built)
+    native: ModuleType | None = None
+    native_rows: int = 0
+    native_block_table: torch.Tensor | None = None  # [sequences, max_blocks] long
+    native_row_seq: torch.Tensor | None = None  # [native_rows] long: the row's block-table row
+    native_row_kv_len: torch.Tensor | None = None  # [native_rows] long: keys the row attends to
 
     @classmethod
     def build(
-        cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int
+        cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int,
+        native: ModuleType | None = None,
     ) -> "AttentionMetadata":
-        """Sequences must come decodes (query_len == 1) first, then prefills, in flat-batch order."""
+        """Sequences must come decodes (query_len == 1) first, then prefills, in flat-batch order.
+        native: the kernels module, when the model's dtype has native kernels."""
         n = len(query_lens)
         q = np.asarray(query_lens, dtype=np.int64)
         ctx = np.asarray(context_lens, dtype=np.int64)
@@ -70,25 +80,38 @@ class AttentionMetadata:
         starts = np.cumsum(q) - q
         positions = np.arange(int(q.sum())) - np.repeat(starts, q) + np.repeat(ctx, q)
         slots = table[seq_of_tok, positions // block_size] * block_size + positions % block_size
-        meta = cls(positions=torch.from_numpy(positions), slot_mapping=torch.from_numpy(slots), num_decodes=num_decodes)
-        if num_decodes:
-            w = int(blocks_needed[:num_decodes].max())
-            meta.decode_block_table = torch.from_numpy(np.ascontiguousarray(table[:num_decodes, :w]))
-            mask = np.arange(w * block_size)[None, :] < seq_lens[:num_decodes, None]
-            meta.decode_mask = torch.from_numpy(mask)[:, None, None, :]
-        first = num_decodes
-        if n - first >= 2 and 1 < q[first] <= SHORT_QUERY and ctx[first] > 0:
-            same = (q[first:] == q[first]) & (ctx[first:] > 0)
-            num_short = int(np.argmin(same)) if not same.all() else n - first
-            if num_short >= 2:
-                qs, rows = int(q[first]), slice(first, first + num_short)
-                w = int(blocks_needed[rows].max())
-                meta.short = (num_short, qs)
-                meta.short_block_table = torch.from_numpy(np.ascontiguousarray(table[rows, :w]))
-                key_pos = np.arange(w * block_size)[None, None, :]
-                limit = ctx[rows, None, None] + np.arange(qs)[None, :, None]
-                meta.short_mask = torch.from_numpy(key_pos <= limit)
-                first += num_short
+        meta = cls(positions=torch.from_numpy(positions), slot_mapping=torch.from_numpy(slots), native=native)
+        if native is not None:
+            # the leading run of sequences up to SHORT_QUERY tokens (decodes, verifications, short
+            # chunks): every row reads its keys from the cache, written before attention runs
+            direct = q <= SHORT_QUERY
+            first = int(np.argmin(direct)) if not direct.all() else n
+            rows = int(q[:first].sum())
+            if rows:
+                meta.native_rows = rows
+                meta.native_block_table = torch.from_numpy(
+                    np.ascontiguousarray(table[:first, : int(blocks_needed[:first].max())]))
+                meta.native_row_seq = torch.from_numpy(seq_of_tok[:rows])
+                meta.native_row_kv_len = torch.from_numpy(positions[:rows] + 1)
+        else:
+            meta.num_decodes = first = num_decodes
+            if num_decodes:
+                w = int(blocks_needed[:num_decodes].max())
+                meta.decode_block_table = torch.from_numpy(np.ascontiguousarray(table[:num_decodes, :w]))
+                mask = np.arange(w * block_size)[None, :] < seq_lens[:num_decodes, None]
+                meta.decode_mask = torch.from_numpy(mask)[:, None, None, :]
+            if n - first >= 2 and 1 < q[first] <= SHORT_QUERY and ctx[first] > 0:
+                same = (q[first:] == q[first]) & (ctx[first:] > 0)
+                num_short = int(np.argmin(same)) if not same.all() else n - first
+                if num_short >= 2:
+                    qs, sl = int(q[first]), slice(first, first + num_short)
+                    w = int(blocks_needed[sl].max())
+                    meta.short = (num_short, qs)
+                    meta.short_block_table = torch.from_numpy(np.ascontiguousarray(table[sl, :w]))
+                    key_pos = np.arange(w * block_size)[None, None, :]
+                    limit = ctx[sl, None, None] + np.arange(qs)[None, :, None]
+                    meta.short_mask = torch.from_numpy(key_pos <= limit)
+                    first += num_short
         for i in range(first, n):
             p = PrefillSeq(start=int(starts[i]), end=int(starts[i] + q[i]), context_len=int(ctx[i]))
             if p.context_len:
@@ -169,12 +192,24 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    write_cache: bool = True,
 ) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D]."""
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens, written into the caches first unless
+    the caller did (the fused rotary kernel). Returns [T, Hq, D]."""
     _, bs, hkv, d = k_cache.shape
-    k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+    if write_cache:
+        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
     hq, nd = q.shape[1], meta.num_decodes
+    if meta.native_rows:
+        nr = meta.native_rows
+        out = torch.empty(q.shape, dtype=q.dtype)
+        meta.native.paged_attention(out, q[:nr], k_cache, v_cache, meta.native_block_table,  # type: ignore[union-attr]
+                                    meta.native_row_seq, meta.native_row_kv_len, scale)
+        if not meta.prefills:
+            return out
+        _prefills(q, k, v, k_cache, v_cache, meta, scale, out)
+        return out
     if meta.static_prefill is not None:
         nb, nq = meta.static_prefill
         bt = meta.prefill_block_table.view(-1)  # type: ignore[union-attr]
@@ -207,6 +242,14 @@ def paged_attention(
         mask = meta.short_mask.repeat_interleave(grp, dim=1)[:, None]  # type: ignore[union-attr]
         og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
         out[nd : nd + ns * qs] = og.view(ns, hkv, qs, grp, d).permute(0, 2, 1, 3, 4).reshape(ns * qs, hq, d)
+    _prefills(q, k, v, k_cache, v_cache, meta, scale, out)  # type: ignore[arg-type]
+    return out  # type: ignore[return-value]
+
+
+def _prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """The prefill chunks, one SDPA each (a first chunk attends to its own new K/V directly)."""
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
     for p in meta.prefills:
         qp = q[p.start : p.end].transpose(0, 1)
         if p.context_len == 0:
@@ -217,5 +260,4 @@ def paged_attention(
             kp = _gather_blocks(k_cache, p.block_ids).view(-1, hkv, d)[:kv_len].transpose(0, 1)
             vp = _gather_blocks(v_cache, p.block_ids).view(-1, hkv, d)[:kv_len].transpose(0, 1)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=True)
-        out[p.start : p.end] = op.transpose(0, 1)  # type: ignore[index]
-    return out  # type: ignore[return-value]
+        out[p.start : p.end] = op.transpose(0, 1)

@@ -1,0 +1,423 @@
+// Fused CPU kernels for the decode hot path (built at first use by axonserve/neuron/ops/native.py).
+//
+// Each kernel replaces several torch ops whose per-op dispatch and extra memory passes dominate a
+// small model's step: paged attention reads K/V blocks in place (no gather copy), rotary + KV-cache
+// write is one pass over q/k/v, add + RMSNorm is one pass over the residual stream, SiLU-and-mul
+// one pass over the MLP activations. bf16 results are rounded at the same points as the torch ops
+// they replace (transformers' rounding), so greedy outputs stay equal to transformers'.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define AXON_AVX512 1
+#endif
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+inline float to_f(float x) { return x; }
+inline float to_f(bf16 x) { uint32_t u = uint32_t(x.x) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+
+template <typename T> inline T from_f(float x);
+template <> inline float from_f<float>(float x) { return x; }
+template <> inline bf16 from_f<bf16>(float x) { return bf16(x); }  // round-to-nearest-even, like torch
+
+// Round a float to T's precision and back: the rounding a torch op with a T output applies.
+template <typename T> inline float rnd(float x) { return to_f(from_f<T>(x)); }
+
+#ifdef AXON_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(bf16* p, __m512 v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#else  // round to nearest even by integer arithmetic (finite inputs)
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+#endif
+}
+// exp for the attention softmax and SiLU (Cephes polynomial, ~1 ulp on [-88, 88])
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
+  __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, fx);
+}
+// rnd<T> on 16 lanes
+template <typename T> inline __m512 rnd16(__m512 v);
+template <> inline __m512 rnd16<float>(__m512 v) { return v; }
+template <> inline __m512 rnd16<bf16>(__m512 v) {
+  alignas(32) bf16 tmp[16];
+  store16(tmp, v);
+  return load16(tmp);
+}
+#endif
+
+// exp over n floats in place
+inline void exp_inplace(float* x, int64_t n) {
+  int64_t i = 0;
+#ifdef AXON_AVX512
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, exp16(_mm512_loadu_ps(x + i)));
+  if (i < n) {
+    __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(x + i, m, exp16(_mm512_maskz_loadu_ps(m, x + i)));
+    i = n;
+  }
+#endif
+  for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+// ------------------------------------------------------------------ paged attention
+// Row r of q attends to the first kv_len[r] positions of sequence seq[r]'s blocks. Work item =
+// (row, kv head): the `group` query heads sharing that KV head read each key once. Scores are
+// exact softmax (max, exp, sum) over the row's keys; accumulation in float32.
+struct AttnArgs {
+  int64_t R, Hq, D, bs, Hkv, G, q_rs, q_hs, o_rs, o_hs, W;
+  const int64_t *bt, *seq, *kvl;
+  float scale;
+};
+
+// element offset of each key row (same for K and V): walks the block table without a division per key
+inline void key_offsets(const AttnArgs& a, int64_t r, int64_t h, std::vector<int64_t>& off) {
+  const int64_t L = a.kvl[r];
+  const int64_t* table = a.bt + a.seq[r] * a.W;
+  off.resize(L);
+  for (int64_t t0 = 0, b = 0; t0 < L; t0 += a.bs, ++b) {
+    const int64_t base = (table[b] * a.bs * a.Hkv + h) * a.D, n = std::min(a.bs, L - t0);
+    for (int64_t i = 0; i < n; ++i) off[t0 + i] = base + i * a.Hkv * a.D;
+  }
+}
+
+// head_dim = 16 * ND with AVX-512: q, the V accumulators and a key row stay in registers
+template <typename T, int ND>
+void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const T* kc, const T* vc, int64_t r, int64_t h,
+                     std::vector<float>& scores, std::vector<int64_t>& off) {
+#ifdef AXON_AVX512
+  const int64_t G = a.G, L = a.kvl[r];
+  key_offsets(a, r, h, off);
+  scores.resize(G * L);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 q[ND];
+    const T* qg = qp + r * a.q_rs + (h * G + g) * a.q_hs;
+    for (int c = 0; c < ND; ++c) q[c] = _mm512_mul_ps(load16(qg + 16 * c), _mm512_set1_ps(a.scale));
+    float* sg = scores.data() + g * L;
+    for (int64_t t = 0; t < L; ++t) {
+      const T* kp = kc + off[t];
+      __m512 acc = _mm512_mul_ps(q[0], load16(kp));
+      for (int c = 1; c < ND; ++c) acc = _mm512_fmadd_ps(q[c], load16(kp + 16 * c), acc);
+      sg[t] = _mm512_reduce_add_ps(acc);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores.data() + g * L;
+    float m = -INFINITY;
+    for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
+    for (int64_t t = 0; t < L; ++t) sg[t] -= m;
+    exp_inplace(sg, L);
+    float sum = 0.f;
+    for (int64_t t = 0; t < L; ++t) sum += sg[t];
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 acc[ND];
+    for (int c = 0; c < ND; ++c) acc[c] = _mm512_setzero_ps();
+    const float* sg = scores.data() + g * L;
+    for (int64_t t = 0; t < L; ++t) {
+      const T* vp = vc + off[t];
+      const __m512 p = _mm512_set1_ps(sg[t]);
+      for (int c = 0; c < ND; ++c) acc[c] = _mm512_fmadd_ps(p, load16(vp + 16 * c), acc[c]);
+    }
+    T* o = op + r * a.o_rs + (h * G + g) * a.o_hs;
+    for (int c = 0; c < ND; ++c) store16(o + 16 * c, acc[c]);
+  }
+#endif
+}
+
+template <typename T>
+void attend_item_scalar(const AttnArgs& a, const T* qp, T* op, const T* kc, const T* vc, int64_t r, int64_t h,
+                        std::vector<float>& scores, std::vector<int64_t>& off) {
+  const int64_t G = a.G, L = a.kvl[r], D = a.D;
+  key_offsets(a, r, h, off);
+  scores.resize(G * L);
+  std::vector<float> acc(D);
+  for (int64_t g = 0; g < G; ++g) {
+    const T* qg = qp + r * a.q_rs + (h * G + g) * a.q_hs;
+    float* sg = scores.data() + g * L;
+    for (int64_t t = 0; t < L; ++t) {
+      const T* kp = kc + off[t];
+      float s = 0.f;
+      for (int64_t j = 0; j < D; ++j) s += to_f(qg[j]) * a.scale * to_f(kp[j]);
+      sg[t] = s;
+    }
+    float m = -INFINITY, sum = 0.f;
+    for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
+    for (int64_t t = 0; t < L; ++t) { sg[t] = std::exp(sg[t] - m); sum += sg[t]; }
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t t = 0; t < L; ++t) {
+      const T* vp = vc + off[t];
+      for (int64_t j = 0; j < D; ++j) acc[j] += sg[t] * to_f(vp[j]);
+    }
+    T* o = op + r * a.o_rs + (h * G + g) * a.o_hs;
+    for (int64_t j = 0; j < D; ++j) o[j] = from_f<T>(acc[j] / sum);
+  }
+}
+
+template <typename T>
+void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_table, const at::Tensor& row_seq, const at::Tensor& row_kv_len,
+                          double scale) {
+  AttnArgs a{q.size(0), q.size(1), q.size(2), k_cache.size(1), k_cache.size(2), q.size(1) / k_cache.size(2),
+             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.size(1),
+             block_table.data_ptr<int64_t>(), row_seq.data_ptr<int64_t>(), row_kv_len.data_ptr<int64_t>(),
+             static_cast<float>(scale)};
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  auto item_fn = &attend_item_scalar<T>;
+#ifdef AXON_AVX512
+  if (a.D == 64) item_fn = &attend_item_vec<T, 4>;
+  else if (a.D == 128) item_fn = &attend_item_vec<T, 8>;
+  else if (a.D == 32) item_fn = &attend_item_vec<T, 2>;
+  else if (a.D == 256) item_fn = &attend_item_vec<T, 16>;
+#endif
+  at::parallel_for(0, a.R * a.Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<int64_t> off;
+    for (int64_t item = begin; item < end; ++item)
+      item_fn(a, qp, op, kc, vc, item / a.Hkv, item % a.Hkv, scores, off);
+  });
+}
+
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
+                     at::Tensor row_seq, at::Tensor row_kv_len, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.stride(2) == 1, "q/out: [rows, heads, head_dim], last dim dense");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_table.is_contiguous(), "contiguous caches");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "one dtype");
+  if (q.scalar_type() == at::kBFloat16)
+    paged_attention_impl<bf16>(out, q, k_cache, v_cache, block_table, row_seq, row_kv_len, scale);
+  else if (q.scalar_type() == at::kFloat)
+    paged_attention_impl<float>(out, q, k_cache, v_cache, block_table, row_seq, row_kv_len, scale);
+  else
+    TORCH_CHECK(false, "paged_attention: float32 or bfloat16 only");
+}
+
+// ------------------------------------------------------------------ rotary + KV-cache write
+// qkv: [T, Hq + 2 Hkv, D] (contiguous). Rotates the Q and K heads in place with the half-split
+// layout (cos, signed sin tables indexed by position: x*cos + roll(x, D/2)*sin, each product rounded
+// to T like torch's ops), then writes the rotated K heads and the V heads into their cache slots.
+template <typename T>
+void rotary_kv_impl(at::Tensor& qkv, int64_t Hq, int64_t Hkv, const at::Tensor& cos, const at::Tensor& sin,
+                    const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
+  const int64_t Tn = qkv.size(0), D = qkv.size(2), half = D / 2, H = Hq + 2 * Hkv;
+  T* x = qkv.data_ptr<T>();
+  const T* ct = cos.data_ptr<T>();
+  const T* st = sin.data_ptr<T>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  at::parallel_for(0, Tn, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(D);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = ct + pos[t] * D;
+      const T* s = st + pos[t] * D;
+      for (int64_t h = 0; h < Hq + Hkv; ++h) {
+        T* xh = x + (t * H + h) * D;
+#ifdef AXON_AVX512
+        if (half % 16 == 0) {
+          for (int64_t j = 0; j < D; ++j) row[j] = to_f(xh[j]);
+          for (int64_t j = 0; j < D; j += 16) {
+            const int64_t jr = j < half ? j + half : j - half;
+            __m512 a = rnd16<T>(_mm512_mul_ps(_mm512_loadu_ps(row.data() + j), load16(c + j)));
+            __m512 b = rnd16<T>(_mm512_mul_ps(_mm512_loadu_ps(row.data() + jr), load16(s + j)));
+            store16(xh + j, _mm512_add_ps(a, b));
+          }
+          continue;
+        }
+#endif
+        for (int64_t j = 0; j < D; ++j) row[j] = to_f(xh[j]);
+        for (int64_t j = 0; j < D; ++j) {
+          const float a = rnd<T>(row[j] * to_f(c[j]));
+          const float b = rnd<T>(row[(j + half) % D] * to_f(s[j]));
+          xh[j] = from_f<T>(a + b);
+        }
+      }
+      if (sl[t] < 0) continue;
+      std::memcpy(kc + sl[t] * Hkv * D, x + (t * H + Hq) * D, Hkv * D * sizeof(T));
+      std::memcpy(vc + sl[t] * Hkv * D, x + (t * H + Hq + Hkv) * D, Hkv * D * sizeof(T));
+    }
+  });
+}
+
+void rotary_kv_write(at::Tensor qkv, int64_t Hq, int64_t Hkv, at::Tensor cos, at::Tensor sin, at::Tensor positions,
+                     at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots) {
+  TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(), "contiguous qkv and tables");
+  TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && qkv.scalar_type() == k_cache.scalar_type(), "one dtype");
+  if (qkv.scalar_type() == at::kBFloat16)
+    rotary_kv_impl<bf16>(qkv, Hq, Hkv, cos, sin, positions, k_cache, v_cache, slots);
+  else if (qkv.scalar_type() == at::kFloat)
+    rotary_kv_impl<float>(qkv, Hq, Hkv, cos, sin, positions, k_cache, v_cache, slots);
+  else
+    TORCH_CHECK(false, "rotary_kv_write: float32 or bfloat16 only");
+}
+
+// ------------------------------------------------------------------ (add +) RMSNorm
+// With a residual: residual = residual + x (rounded to T), out = norm(residual). Without: out =
+// norm(x). norm(y) = w * T(y * rsqrt(mean(y^2) + eps)) for bf16 (transformers' rounding), y * rsqrt * w
+// for float32. out may alias x.
+template <typename T>
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, at::Tensor* residual, const at::Tensor& w, double eps) {
+  const int64_t Tn = x.size(0), H = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  T* rp = residual ? residual->data_ptr<T>() : nullptr;
+  const T* wp = w.data_ptr<T>();
+  const bool is_f32 = std::is_same<T, float>::value;
+  at::parallel_for(0, Tn, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> y(H);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* xr = xp + t * H;
+      if (rp) {
+        T* rr = rp + t * H;
+        for (int64_t j = 0; j < H; ++j) { rr[j] = from_f<T>(to_f(rr[j]) + to_f(xr[j])); y[j] = to_f(rr[j]); }
+      } else {
+        for (int64_t j = 0; j < H; ++j) y[j] = to_f(xr[j]);
+      }
+      float lanes[16] = {0};
+      int64_t j = 0;
+      for (; j + 16 <= H; j += 16)
+        for (int l = 0; l < 16; ++l) lanes[l] += y[j + l] * y[j + l];
+      float ss = 0.f;
+      for (int l = 0; l < 16; ++l) ss += lanes[l];
+      for (; j < H; ++j) ss += y[j] * y[j];
+      const float inv = 1.f / std::sqrt(ss / float(H) + float(eps));
+      T* o = op + t * H;
+      if (is_f32)
+        for (int64_t k = 0; k < H; ++k) o[k] = from_f<T>(y[k] * inv * to_f(wp[k]));
+      else
+        for (int64_t k = 0; k < H; ++k) o[k] = from_f<T>(to_f(wp[k]) * rnd<T>(y[k] * inv));
+    }
+  });
+}
+
+void rms_norm(at::Tensor out, at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous(), "x/out: contiguous [tokens, hidden]");
+  TORCH_CHECK(!residual || residual->is_contiguous(), "contiguous residual");
+  at::Tensor* r = residual ? &residual.value() : nullptr;
+  if (x.scalar_type() == at::kBFloat16)
+    rms_norm_impl<bf16>(out, x, r, weight, eps);
+  else if (x.scalar_type() == at::kFloat)
+    rms_norm_impl<float>(out, x, r, weight, eps);
+  else
+    TORCH_CHECK(false, "rms_norm: float32 or bfloat16 only");
+}
+
+// ------------------------------------------------------------------ SiLU(gate) * up
+// gate_up: [T, 2I] -> out [T, I]; T(T(silu(gate)) * up) like torch's two ops.
+template <typename T>
+void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gu) {
+  const int64_t Tn = gu.size(0), I = gu.size(1) / 2;
+  const T* g = gu.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, Tn, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> e(I);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* gr = g + t * 2 * I;
+      const T* ur = gr + I;
+      for (int64_t j = 0; j < I; ++j) e[j] = -to_f(gr[j]);
+      exp_inplace(e.data(), I);
+      T* o = op + t * I;
+      for (int64_t j = 0; j < I; ++j) {
+        const float x = to_f(gr[j]);
+        o[j] = from_f<T>(rnd<T>(x / (1.f + e[j])) * to_f(ur[j]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul(at::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous(), "gate_up: contiguous [tokens, 2 * inter]");
+  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (gate_up.scalar_type() == at::kBFloat16)
+    silu_and_mul_impl<bf16>(out, gate_up);
+  else if (gate_up.scalar_type() == at::kFloat)
+    silu_and_mul_impl<float>(out, gate_up);
+  else
+    TORCH_CHECK(false, "silu_and_mul: float32 or bfloat16 only");
+  return out;
+}
+
+// ------------------------------------------------------------------ greedy argmax
+// Row-wise argmax of [N, V] logits in their own dtype (no float32 copy); the first index wins a tie.
+template <typename T>
+void argmax_impl(const at::Tensor& x, at::Tensor& out) {
+  const int64_t N = x.size(0), V = x.size(1), rs = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* row = xp + i * rs;
+      int64_t best = 0;
+      float bv = to_f(row[0]);
+      int64_t j = 1;
+#ifdef AXON_AVX512
+      // block maxima first; a block is scanned only when it beats the best so far
+      for (; j + 16 <= V; j += 16) {
+        const float m = _mm512_reduce_max_ps(load16(row + j));
+        if (m > bv)
+          for (int64_t k = j; k < j + 16; ++k)
+            if (to_f(row[k]) > bv) { bv = to_f(row[k]); best = k; }
+      }
+#endif
+      for (; j < V; ++j)
+        if (to_f(row[j]) > bv) { bv = to_f(row[j]); best = j; }
+      op[i] = best;
+    }
+  });
+}
+
+at::Tensor argmax_rows(at::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "logits: [rows, vocab], last dim dense");
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  if (x.scalar_type() == at::kBFloat16)
+    argmax_impl<bf16>(x, out);
+  else if (x.scalar_type() == at::kFloat)
+    argmax_impl<float>(x, out);
+  else
+    TORCH_CHECK(false, "argmax_rows: float32 or bfloat16 only");
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention, rows against their sequences' KV blocks");
+  m.def("rotary_kv_write", &rotary_kv_write, "rotary on Q/K heads in place + K/V cache write");
+  m.def("rms_norm", &rms_norm, "(residual add +) RMSNorm");
+  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
+  m.def("argmax_rows", &argmax_rows, "row-wise argmax, first index of a tie");
+}

@@ -1,0 +1,90 @@
+"""Fused C++ CPU kernels (csrc/cpu_kernels.cpp), compiled on first use for this machine's CPU.
+
+Built once with torch's JIT extension builder (ninja + the system C++ compiler, `-march=native`)
+into ~/.cache/axonserve/native/<hash of source, torch version and CPU flags>, then loaded in
+milliseconds by every later process; `scripts/setup` builds it up front. Where it cannot be built
+(no compiler) or AXONSERVE_NATIVE=0, `kernels()` returns None and callers use their torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import structlog
+import torch
+
+log = structlog.get_logger()
+
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+# -fopenmp: at::parallel_for runs on OpenMP; libgomp.so.1 resolves to the copy torch already loaded
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-fopenmp"]
+_state: dict[str, ModuleType | None] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def build_dir() -> Path:
+    h = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode(), " ".join(_FLAGS).encode()):
+        h.update(part)
+    root = Path(os.environ.get("AXONSERVE_CACHE_DIR") or Path.home() / ".cache" / "axonserve")
+    return root / "native" / h.hexdigest()[:16]
+
+
+def enabled() -> bool:
+    return os.environ.get("AXONSERVE_NATIVE", "1") not in ("0", "false", "no")
+
+
+def kernels() -> ModuleType | None:
+    """The compiled module, or None (disabled, or the build failed: logged once per process)."""
+    if "mod" not in _state:
+        _state["mod"] = _load() if enabled() else None
+    return _state["mod"]
+
+
+def for_dtype(dtype: torch.dtype) -> ModuleType | None:
+    """The kernels for a model running in `dtype` (they are written for float32 and bfloat16)."""
+    return kernels() if dtype in (torch.float32, torch.bfloat16) else None
+
+
+def _load() -> ModuleType | None:
+    from torch.utils import cpp_extension
+
+    try:
+        import ninja  # the PyPI package: its binary need not be on PATH (.venv/bin is not, unactivated)
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    built = any(out.glob("*.so"))
+    try:
+        if not built:
+            log.info("native.building", source=str(_SOURCE), dir=str(out))
+        mod = cpp_extension.load(
+            name="axonserve_cpu_kernels_" + out.name, sources=[str(_SOURCE)], extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"], build_directory=str(out), verbose=False,
+        )
+    except Exception as e:  # no compiler/ninja, or a compile error: the torch path still works
+        log.warning("native.unavailable", error=f"{type(e).__name__}: {str(e)[-400:]}")
+        return None
+    if not built:
+        log.info("native.built", dir=str(out))
+    return mod
+
+
+if __name__ == "__main__":  # python -m axonserve.neuron.ops.native: build now (scripts/setup)
+    ok = kernels() is not None
+    print(f"axonserve native kernels: {'ready in ' + str(build_dir()) if ok else 'unavailable (torch fallback)'}")
+    sys.exit(0)

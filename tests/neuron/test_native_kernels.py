@@ -1,0 +1,125 @@
+"""The fused C++ kernels (ops/native.py) against the torch ops they replace, bf16 and float32.
+
+bf16 results must round like the torch ops (transformers' rounding): rotary, RMSNorm, SiLU-and-mul
+and argmax are compared exactly, attention (float32 accumulation in a different order) within
+one bf16 ulp. The kernels are built by scripts/setup; a machine without a compiler skips here and
+serves through the torch path (tests/neuron/test_llama_parity.py covers both)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from axonserve.neuron.layers.rotary import RotaryEmbedding, apply_rotary
+from axonserve.neuron.ops import native
+from axonserve.neuron.ops.attention import AttentionMetadata, paged_attention
+
+K = native.kernels()
+pytestmark = pytest.mark.skipif(K is None, reason="native kernels unavailable (no compiler): torch path only")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_and_without_residual(dtype):
+    g = _gen()
+    x, r = torch.randn(7, 576, generator=g).to(dtype), torch.randn(7, 576, generator=g).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+
+    def ref(h):
+        if dtype == torch.float32:
+            return F.rms_norm(h, (576,), w, 1e-5)
+        return w * F.rms_norm(h.float(), (576,), None, 1e-5).to(dtype)
+
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=0)
+    out = torch.empty_like(x)
+    K.rms_norm(out, x, None, w, 1e-5)
+    torch.testing.assert_close(out, ref(x), **tol)
+    res = r.clone()
+    K.rms_norm(out, x, res, w, 1e-5)
+    assert torch.equal(res, x + r)  # the residual stream, rounded like torch's add
+    torch.testing.assert_close(out, ref(x + r), **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    gu = torch.randn(5, 2 * 96, generator=_gen(1)).to(dtype) * 4
+    gate, up = gu.chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    got = K.silu_and_mul(gu)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, ref)
+    else:
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 24])  # vector path, scalar path
+def test_rotary_and_cache_write(dtype, head_dim):
+    g = _gen(2)
+    hq, hkv, t = 6, 2, 5
+    rot = RotaryEmbedding(head_dim, 512, 10000.0, None, dtype)
+    qkv = torch.randn(t, hq + 2 * hkv, head_dim, generator=g).to(dtype)
+    pos = torch.tensor([0, 5, 17, 300, 511])
+    slots = torch.tensor([3, 7, 40, 2, 63])
+    cos, sin = rot(pos)
+    ref = apply_rotary(qkv[:, : hq + hkv], cos, sin)
+    kc = torch.zeros(4, 16, hkv, head_dim, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    got = qkv.clone()
+    K.rotary_kv_write(got, hq, hkv, rot.cos, rot.sin, pos, kc, vc, slots)
+    assert torch.equal(got[:, : hq + hkv], ref)
+    assert torch.equal(got[:, hq + hkv :], qkv[:, hq + hkv :])
+    assert torch.equal(kc.view(-1, hkv, head_dim)[slots], ref[:, hq:])
+    assert torch.equal(vc.view(-1, hkv, head_dim)[slots], qkv[:, hq + hkv :])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_paged_attention_mixed_batch(dtype, head_dim):
+    """Decodes, short chunks of different lengths (verification) and a long prefill in one flat
+    batch, through AttentionMetadata.build(native=...) against the torch path."""
+    g = _gen(3)
+    bs, blocks, hkv, hq = 4, 96, 2, 6
+    k_cache = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(dtype)
+    seqs = [(1, 0), (1, 12), (1, 33), (3, 9), (5, 17), (4, 0), (30, 6), (2, 3)]  # (query_len, context_len)
+    perm = torch.randperm(blocks, generator=g).tolist()
+    tables, at = [], 0
+    for qn, ctx in seqs:
+        need = -(-(qn + ctx) // bs)
+        tables.append(perm[at : at + need])
+        at += need
+    args = ([q for q, _ in seqs], [c for _, c in seqs], tables, bs)
+    t = sum(q for q, _ in seqs)
+    q, k, v = (torch.randn(t, h, head_dim, generator=g).to(dtype) for h in (hq, hkv, hkv))
+    scale = head_dim**-0.5
+    meta = AttentionMetadata.build(*args, native=K)
+    assert meta.native_rows == 1 + 1 + 1 + 3 + 5 + 4  # the run before the 30-token prefill
+    kc, vc = k_cache.clone(), v_cache.clone()
+    got = paged_attention(q, k, v, kc, vc, meta, scale)
+    ref = paged_attention(q, k, v, k_cache, v_cache, AttentionMetadata.build(*args), scale)
+    assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1.6e-2, rtol=1.6e-2)
+    torch.testing.assert_close(got, ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_first_index_of_ties(dtype):
+    g = _gen(4)
+    x = torch.randint(0, 5, (16, 49157), generator=g).to(dtype)  # many ties
+    assert torch.equal(K.argmax_rows(x), x.argmax(dim=-1))
+    y = torch.randn(3, 1000, generator=g).to(dtype)
+    assert torch.equal(K.argmax_rows(y), y.argmax(dim=-1))
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("AXONSERVE_NATIVE", "0")
+    assert native.kernels() is None and native.for_dtype(torch.bfloat16) is None
+    monkeypatch.setattr(native, "_state", {"mod": K})
+    assert native.for_dtype(torch.float16) is None  # no fp16 kernels: torch path
