@@ -81,13 +81,13 @@ def test_rotary_and_cache_write(dtype, head_dim):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 24])
 def test_paged_attention_mixed_batch(dtype, head_dim):
-    """Decodes, short chunks of different lengths (verification) and a long prefill in one flat
-    batch, through AttentionMetadata.build(native=...) against the torch path."""
+    """Decodes, short chunks of different lengths (verification), first chunks and a long prefill
+    with a context in one flat batch, through AttentionMetadata.build(native=...) against the torch path."""
     g = _gen(3)
     bs, blocks, hkv, hq = 4, 96, 2, 6
     k_cache = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(dtype)
     v_cache = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(dtype)
-    seqs = [(1, 0), (1, 12), (1, 33), (3, 9), (5, 17), (4, 0), (30, 6), (2, 3)]  # (query_len, context_len)
+    seqs = [(1, 0), (1, 12), (1, 33), (3, 9), (5, 17), (4, 0), (30, 6), (40, 0), (2, 3)]  # (query_len, context_len)
     perm = torch.randperm(blocks, generator=g).tolist()
     tables, at = [], 0
     for qn, ctx in seqs:
@@ -99,7 +99,7 @@ def test_paged_attention_mixed_batch(dtype, head_dim):
     q, k, v = (torch.randn(t, h, head_dim, generator=g).to(dtype) for h in (hq, hkv, hkv))
     scale = head_dim**-0.5
     meta = AttentionMetadata.build(*args, native=K)
-    assert meta.native_rows == 1 + 1 + 1 + 3 + 5 + 4  # the run before the 30-token prefill
+    assert meta.native_rows == t and not meta.prefills  # one kernel call for every row
     kc, vc = k_cache.clone(), v_cache.clone()
     got = paged_attention(q, k, v, kc, vc, meta, scale)
     ref = paged_attention(q, k, v, k_cache, v_cache, AttentionMetadata.build(*args), scale)

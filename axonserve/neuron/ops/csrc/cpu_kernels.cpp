@@ -65,6 +65,21 @@ inline __m512 exp16(__m512 x) {
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(y, fx);
 }
+// out[i] = sum of v[i]'s 16 lanes: a transpose-and-add tree (~2.5 instructions per vector
+// instead of ~10 for a horizontal reduce each)
+inline __m512 reduce16x16(const __m512* v) {
+  __m512 t[8], w[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: [a, b, c, d] (that lane's partial sums)
+    __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+    w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+  __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+}
+
 // rnd<T> on 16 lanes
 template <typename T> inline __m512 rnd16(__m512 v);
 template <> inline __m512 rnd16<float>(__m512 v) { return v; }
@@ -87,6 +102,36 @@ inline void exp_inplace(float* x, int64_t n) {
   }
 #endif
   for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+// in place: s = softmax(s) over n scores
+inline void softmax_inplace(float* s, int64_t n) {
+  float m = -INFINITY, sum = 0.f;
+  int64_t i = 0;
+#ifdef AXON_AVX512
+  __m512 vm = _mm512_set1_ps(-INFINITY);
+  for (; i + 16 <= n; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + i));
+  m = _mm512_reduce_max_ps(vm);
+#endif
+  for (; i < n; ++i) m = std::max(m, s[i]);
+  i = 0;
+#ifdef AXON_AVX512
+  __m512 vs = _mm512_setzero_ps();
+  const __m512 mm = _mm512_set1_ps(m);
+  for (; i + 16 <= n; i += 16) {
+    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), mm));
+    _mm512_storeu_ps(s + i, e);
+    vs = _mm512_add_ps(vs, e);
+  }
+  sum = _mm512_reduce_add_ps(vs);
+#endif
+  for (; i < n; ++i) { s[i] = std::exp(s[i] - m); sum += s[i]; }
+  const float inv = 1.f / sum;
+  i = 0;
+#ifdef AXON_AVX512
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(inv)));
+#endif
+  for (; i < n; ++i) s[i] *= inv;
 }
 
 // ------------------------------------------------------------------ paged attention
@@ -123,23 +168,23 @@ void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const T* kc, const T
     const T* qg = qp + r * a.q_rs + (h * G + g) * a.q_hs;
     for (int c = 0; c < ND; ++c) q[c] = _mm512_mul_ps(load16(qg + 16 * c), _mm512_set1_ps(a.scale));
     float* sg = scores.data() + g * L;
-    for (int64_t t = 0; t < L; ++t) {
+    int64_t t = 0;
+    for (; t + 16 <= L; t += 16) {  // 16 keys: products per key, then one transposed reduction
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) {
+        const T* kp = kc + off[t + i];
+        acc[i] = _mm512_mul_ps(q[0], load16(kp));
+        for (int c = 1; c < ND; ++c) acc[i] = _mm512_fmadd_ps(q[c], load16(kp + 16 * c), acc[i]);
+      }
+      _mm512_storeu_ps(sg + t, reduce16x16(acc));
+    }
+    for (; t < L; ++t) {
       const T* kp = kc + off[t];
       __m512 acc = _mm512_mul_ps(q[0], load16(kp));
       for (int c = 1; c < ND; ++c) acc = _mm512_fmadd_ps(q[c], load16(kp + 16 * c), acc);
       sg[t] = _mm512_reduce_add_ps(acc);
     }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores.data() + g * L;
-    float m = -INFINITY;
-    for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
-    for (int64_t t = 0; t < L; ++t) sg[t] -= m;
-    exp_inplace(sg, L);
-    float sum = 0.f;
-    for (int64_t t = 0; t < L; ++t) sum += sg[t];
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
+    softmax_inplace(sg, L);
   }
   for (int64_t g = 0; g < G; ++g) {
     __m512 acc[ND];
