@@ -457,6 +457,10 @@ class SchedulerActor(Actor):
         d = [a - b for a, b in zip(cur, self._last_counters)]
         per_pos = [a - b for a, b in zip(spec[3], self._last_per_pos)]
         self._last_counters, self._last_per_pos = cur, spec[3]
+        self.log.debug("step", step_id=plan.step_id, seqs=len(plan.num_scheduled_tokens),
+                       tokens=sum(plan.num_scheduled_tokens), new=len(plan.new), schedule_ms=round(sched_s * 1e3, 2),
+                       roundtrip_ms=round(rt_s * 1e3, 2), forward_ms=round(result.forward_s * 1e3, 2),
+                       sample_ms=round(result.sample_s * 1e3, 2), update_ms=round(update_s * 1e3, 2))
         self.publish(StepStats(
             num_running=len(s.running), num_waiting=len(s.waiting),
             kv_cache_usage=s.blocks.usage(),

@@ -8,6 +8,17 @@ import torch
 from axonserve.neuron.ops.attention import AttentionMetadata, paged_attention
 
 
+def random_block_tables(seqs: list[tuple[int, int]], bs: int, blocks: int, g: torch.Generator) -> list[list[int]]:
+    """Distinct, shuffled blocks covering each (query_len, context_len) sequence."""
+    perm = torch.randperm(blocks, generator=g).tolist()
+    tables, at = [], 0
+    for qn, ctx in seqs:
+        need = -(-(qn + ctx) // bs)
+        tables.append(perm[at : at + need])
+        at += need
+    return tables
+
+
 def test_mixed_batch_matches_dense_attention():
     g = torch.Generator().manual_seed(0)
     bs, blocks, hkv, hq, d = 4, 64, 2, 6, 8
@@ -15,12 +26,7 @@ def test_mixed_batch_matches_dense_attention():
     v_cache = torch.randn(blocks, bs, hkv, d, generator=g)
     # (query_len, context_len): 2 decodes, 3 equal short chunks (one batched call), 1 prefill
     seqs = [(1, 7), (1, 12), (4, 5), (4, 9), (4, 17), (6, 3)]
-    perm = torch.randperm(blocks, generator=g).tolist()
-    tables, at = [], 0
-    for qn, ctx in seqs:
-        need = -(-(qn + ctx) // bs)
-        tables.append(perm[at : at + need])
-        at += need
+    tables = random_block_tables(seqs, bs, blocks, g)
     meta = AttentionMetadata.build([q for q, _ in seqs], [c for _, c in seqs], tables, bs)
     assert meta.num_decodes == 2 and meta.short == (3, 4) and len(meta.prefills) == 1
     t = sum(q for q, _ in seqs)

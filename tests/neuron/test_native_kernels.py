@@ -15,6 +15,8 @@ from axonserve.neuron.layers.rotary import RotaryEmbedding, apply_rotary
 from axonserve.neuron.ops import native
 from axonserve.neuron.ops.attention import AttentionMetadata, paged_attention
 
+from .test_attention import random_block_tables
+
 K = native.kernels()
 pytestmark = pytest.mark.skipif(K is None, reason="native kernels unavailable (no compiler): torch path only")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -88,12 +90,7 @@ def test_paged_attention_mixed_batch(dtype, head_dim):
     k_cache = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(dtype)
     v_cache = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(dtype)
     seqs = [(1, 0), (1, 12), (1, 33), (3, 9), (5, 17), (4, 0), (30, 6), (40, 0), (2, 3)]  # (query_len, context_len)
-    perm = torch.randperm(blocks, generator=g).tolist()
-    tables, at = [], 0
-    for qn, ctx in seqs:
-        need = -(-(qn + ctx) // bs)
-        tables.append(perm[at : at + need])
-        at += need
+    tables = random_block_tables(seqs, bs, blocks, g)
     args = ([q for q, _ in seqs], [c for _, c in seqs], tables, bs)
     t = sum(q for q, _ in seqs)
     q, k, v = (torch.randn(t, h, head_dim, generator=g).to(dtype) for h in (hq, hkv, hkv))
