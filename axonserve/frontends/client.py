@@ -234,10 +234,7 @@ class AsyncEngineClient:
             raise ParamError("n", f"n must be in [1, {MAX_N}]")
         one = msgspec.structs.replace(params, n=1).validate()
         num, limit = len(prompt_ids), self.info.max_model_len
-        if num == 0:
-            raise ParamError("prompt", "the prompt is empty")
-        if any(not 0 <= t < self.info.vocab_size for t in prompt_ids):
-            raise ParamError("prompt", f"prompt token ids must be in [0, {self.info.vocab_size})")
+        self._check_ids(prompt_ids, "prompt")
         one.check_vocab(self.info.vocab_size)
         if num >= limit:
             raise ParamError(
@@ -256,6 +253,14 @@ class AsyncEngineClient:
             )
         return one
 
+    def _check_ids(self, ids: list[int], field: str) -> None:
+        """A prompt/input is non-empty and inside the vocabulary (ParamError on `field`)."""
+        if not ids:
+            raise ParamError(field, f"the {field} is empty")
+        vocab = self.info.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ParamError(field, f"{field} token ids must be in [0, {vocab})")
+
     def require_task(self, task: str, api: str) -> None:
         """ParamError (HTTP 400) unless the served model serves `task` (generate | embed)."""
         if self.info.task != task:
@@ -266,11 +271,8 @@ class AsyncEngineClient:
     def validate_embed(self, prompt_ids: list[int]) -> None:
         """Check an embedding input: the task, the vocabulary, the model's positions."""
         self.require_task("embed", "Embeddings API")
-        num, limit, vocab = len(prompt_ids), self.info.max_model_len, self.info.vocab_size
-        if num == 0:
-            raise ParamError("input", "the input is empty")
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ParamError("input", f"input token ids must be in [0, {vocab})")
+        num, limit = len(prompt_ids), self.info.max_model_len
+        self._check_ids(prompt_ids, "input")
         if num > limit:
             raise ParamError(
                 "input",
