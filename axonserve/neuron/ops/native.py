@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -57,30 +58,47 @@ def for_dtype(dtype: torch.dtype) -> ModuleType | None:
     return kernels() if dtype in (torch.float32, torch.bfloat16) else None
 
 
+_STALE_LOCK_S = 600  # a build lock this old was left by a killed build: torch would wait on it forever
+
+
 def _load() -> ModuleType | None:
-    from torch.utils import cpp_extension
-
-    try:
-        import ninja  # the PyPI package: its binary need not be on PATH (.venv/bin is not, unactivated)
-
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    except ImportError:
-        pass
     out = build_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    built = any(out.glob("*.so"))
+    name = "axonserve_cpu_kernels_" + out.name
+    so, ready = out / f"{name}.so", out / "READY"
     try:
-        if not built:
-            log.info("native.building", source=str(_SOURCE), dir=str(out))
-        mod = cpp_extension.load(
-            name="axonserve_cpu_kernels_" + out.name, sources=[str(_SOURCE)], extra_cflags=_FLAGS,
-            extra_ldflags=["-fopenmp"], build_directory=str(out), verbose=False,
-        )
-    except Exception as e:  # no compiler/ninja, or a compile error: the torch path still works
+        if ready.exists() and so.exists():  # built before: import it directly (no ninja, no lock)
+            return _import(name, so)
+        from torch.utils import cpp_extension
+
+        try:
+            import ninja  # the PyPI package: its binary need not be on PATH (.venv/bin is not, unactivated)
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+        out.mkdir(parents=True, exist_ok=True)
+        lock = out / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
+        log.info("native.building", source=str(_SOURCE), dir=str(out))
+        mod = cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=_FLAGS,
+                                 extra_ldflags=["-fopenmp"], build_directory=str(out), verbose=False)
+        ready.touch()
+        log.info("native.built", dir=str(out))
+        return mod
+    except Exception as e:  # no compiler/ninja, a compile error, an unwritable cache: the torch path still works
         log.warning("native.unavailable", error=f"{type(e).__name__}: {str(e)[-400:]}")
         return None
-    if not built:
-        log.info("native.built", dir=str(out))
+
+
+def _import(name: str, path: Path) -> ModuleType:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
     return mod
 
 
