@@ -53,10 +53,12 @@ class Sampler:
         self, logits: torch.Tensor, reqs: Sequence[SamplingState]
     ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         want_lp = any(r.params.logprobs is not None for r in reqs)
-        if all(r.params.greedy and not self._needs_processing(r) for r in reqs):
-            k = native.for_dtype(logits.dtype)  # no float32 copy of the logits at all
-            if k is not None and not want_lp:
-                return k.argmax_rows(logits).tolist(), None
+        k = native.for_dtype(logits.dtype)
+        if k is not None and not want_lp and all(r.params.greedy and not self._adjusts_logits(r) for r in reqs):
+            if any(self._min_tokens_pending(r) for r in reqs):
+                logits = logits.clone()
+                self._apply_min_tokens(logits, reqs)
+            return k.argmax_rows(logits).tolist(), None  # no float32 copy of the logits at all
         logits = logits.float()
         raw_lp = torch.log_softmax(logits, dim=-1) if want_lp else None
         if all(r.params.greedy and not self._needs_processing(r) for r in reqs):
@@ -67,15 +69,25 @@ class Sampler:
         return out, (self._logprobs(raw_lp, ids, reqs) if raw_lp is not None else None)
 
     def _needs_processing(self, r: SamplingState) -> bool:
+        return self._adjusts_logits(r) or self._min_tokens_pending(r)
+
+    @staticmethod
+    def _adjusts_logits(r: SamplingState) -> bool:
+        """Penalties, biases or an allow-list: anything but min_tokens' banned ids."""
         p = r.params
         return (
             p.repetition_penalty != 1.0
             or p.presence_penalty != 0.0
             or p.frequency_penalty != 0.0
-            or (len(r.token_ids) - r.num_prompt_tokens) < p.min_tokens
             or bool(p.logit_bias)
             or p.allowed_token_ids is not None
         )
+
+    def _min_tokens_pending(self, r: SamplingState) -> bool:
+        """min_tokens not reached yet and something to ban (stop ids, or EOS unless ignored)."""
+        p = r.params
+        return (len(r.token_ids) - r.num_prompt_tokens) < p.min_tokens and bool(
+            p.stop_token_ids or (not p.ignore_eos and self.eos_token_ids))
 
     def _sample(self, logits: torch.Tensor, reqs: Sequence[SamplingState]) -> torch.Tensor:
         self._apply_bias(logits, reqs)
