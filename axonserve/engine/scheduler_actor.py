@@ -313,12 +313,17 @@ class SchedulerActor(Actor):
     # ------------------------------------------------------------------ steps
 
     async def _step_loop(self) -> None:
+        """schedule -> plan to the ranks -> (the last step's outputs to clients) -> result -> update.
+        A step's outputs leave after the next plan: the ranks compute while we send them."""
+        pending: tuple | None = None  # the last step's deltas and stats, not sent yet
         while self.dead_reason is None:
             while self._profile_q and self.dead_reason is None:
+                pending = await self._flush(pending)
                 await self._run_profile(*self._profile_q.popleft())
             t0 = time.perf_counter()
             plan = self.sched.schedule() if self.sched.has_work else None
             if plan is None:
+                pending = await self._flush(pending)
                 self._work.clear()
                 if self.sched.has_work:  # blocked on KV blocks with nothing running
                     await asyncio.sleep(0.005)
@@ -329,16 +334,27 @@ class SchedulerActor(Actor):
             t1 = time.perf_counter()
             await self.pub.send_multipart(Codec.encode(plan, self.sched.plan_frames), copy=False)
             t_sent = time.perf_counter()
+            pending = await self._flush(pending)
             result = await self._await_result(plan)
             if result is None:
                 return
             t2 = time.perf_counter()
             deltas = self.sched.update(result)
+            pending = (deltas, self.pooled_rows, plan, result, t1 - t0, t2 - t1, time.perf_counter() - t2, t_sent - t1)
+            if self.sched.spec is not None:  # outputs first: a failing drafter fails the rest after them
+                pending = await self._flush(pending)
+                if not await self._propose(result):
+                    return
+
+    async def _flush(self, pending: tuple | None) -> None:
+        """Send a finished step's outputs and publish its stats (its pooled rows still point into
+        the current result frames: called before the next result is received)."""
+        if pending is not None:
+            deltas, pooled, *stats = pending
             if deltas:
-                await self._send_deltas(deltas, self.pooled_rows)
-            if self.sched.spec is not None and not await self._propose(result):
-                return
-            self._publish_step(plan, result, t1 - t0, t2 - t1, time.perf_counter() - t2, t_sent - t1)
+                await self._send_deltas(deltas, pooled)
+            self._publish_step(*stats)
+        return None
 
     async def _propose(self, result: StepResult) -> bool:
         """Draft tokens for the next step's verification; False: the drafter failed."""
