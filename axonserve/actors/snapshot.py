@@ -57,8 +57,12 @@ class SnapshotSink(Actor):
 
     async def run(self) -> None:
         while True:
-            frames = await self.pull.recv_multipart(copy=False)
-            await asyncio.to_thread(self._write_batch, [frames, *self._drain_nowait()])
+            # wait for a record without taking it: cancelled at shutdown, an awaited recv could
+            # swallow one that arrived in the same instant; teardown's drain takes what is queued
+            await self.pull.poll()
+            batch = self._drain_nowait()
+            if batch:
+                await asyncio.to_thread(self._write_batch, batch)
 
     def _drain_nowait(self) -> list[list[Any]]:
         out = []
