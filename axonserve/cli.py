@@ -170,7 +170,7 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
 
 
 async def _serve(config: EngineConfig) -> int:
-    from axonserve.actors.supervisor import StartupError, Supervisor
+    from axonserve.actors.supervisor import StartupCancelled, StartupError, Supervisor
 
     sup = Supervisor(config, frontend=True)
     loop = asyncio.get_running_loop()
@@ -178,6 +178,9 @@ async def _serve(config: EngineConfig) -> int:
         loop.add_signal_handler(sig, sup.request_stop)
     try:
         await sup.start()
+    except StartupCancelled:
+        structlog.get_logger().info("stopped_during_startup")
+        return 0
     except StartupError as e:
         structlog.get_logger().error("startup_failed", error=str(e))
         return 1

@@ -107,6 +107,32 @@ def test_sigterm_to_launcher_leaves_no_process(tiny_llama_dir):
 
 
 @pytest.mark.timeout(120)
+def test_sigterm_during_startup_is_a_clean_stop(tiny_llama_dir, tmp_path):
+    """SIGTERM while the actors still start (they are spawned, not all ready): exit code 0,
+    not 'startup failed', and no process left."""
+    import subprocess
+    import sys
+
+    from frontends.server import REPO, free_port, stop_group
+
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "axonserve.cli", "serve", tiny_llama_dir, "--port",
+                             str(free_port()), "--num-kv-blocks", "64"], cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: len(session_pids(proc.pid)) >= 3, 60, "actors to be spawned")
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+        text = (tmp_path / "serve.log").read_text()
+        assert code == 0, text[-3000:]
+        assert "startup_failed" not in text
+        wait_until(lambda: not session_pids(proc.pid), 10, "all actor processes to exit")
+    finally:
+        stop_group(proc)
+        log.close()
+
+
+@pytest.mark.timeout(120)
 def test_sigkill_of_launcher_takes_children_down(tiny_llama_dir):
     with serve(tiny_llama_dir, "--num-kv-blocks", "64") as srv:
         sid = srv.proc.pid

@@ -47,6 +47,10 @@ class StartupError(RuntimeError):
     pass
 
 
+class StartupCancelled(StartupError):
+    """A stop was requested (SIGTERM/SIGINT) before every actor was ready: a clean stop."""
+
+
 @dataclass
 class _Child:
     spec: ActorSpec
@@ -79,6 +83,7 @@ class Supervisor:
         self.children: dict[str, _Child] = {}
         self.failure: tuple[str, str] | None = None
         self._failed = asyncio.Event()
+        self.stop_requested = False
         self._all_ready = asyncio.Event()
         self._configured: set[str] = set()  # schedulers sent their Configure
         self._stopped = False
@@ -137,6 +142,9 @@ class Supervisor:
         )
         ready.cancel()
         failed.cancel()
+        if not self._all_ready.is_set() and self.stop_requested and self.failure is None:
+            await self.stop("stop requested")
+            raise StartupCancelled("stop requested during startup")
         if not self._all_ready.is_set():
             why = self.failure[1] if self.failure else "timed out waiting for actors to be ready"
             who = self.failure[0] if self.failure else ",".join(
@@ -273,7 +281,8 @@ class Supervisor:
     # ------------------------------------------------------------------ stop
 
     def request_stop(self) -> None:
-        """Signal handler entry: stop serving, exit code 0."""
+        """Signal handler entry: stop serving, exit code 0 (also during startup)."""
+        self.stop_requested = True
         self._failed.set()
 
     async def stop(self, reason: str = "shutdown", timeout: float = 5.0) -> None:
