@@ -90,6 +90,17 @@ template <> inline __m512 rnd16<bf16>(__m512 v) {
 }
 #endif
 
+// Calls f(T{}) with T the kernel type of `t` (bfloat16 or float32): one dtype switch for every kernel.
+template <typename F>
+void by_dtype(at::ScalarType t, const char* name, F&& f) {
+  if (t == at::kBFloat16)
+    f(bf16{});
+  else if (t == at::kFloat)
+    f(float{});
+  else
+    TORCH_CHECK(false, name, ": float32 or bfloat16 only");
+}
+
 // exp over n floats in place
 inline void exp_inplace(float* x, int64_t n) {
   int64_t i = 0;
@@ -262,12 +273,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.stride(2) == 1, "q/out: [rows, heads, head_dim], last dim dense");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_table.is_contiguous(), "contiguous caches");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "one dtype");
-  if (q.scalar_type() == at::kBFloat16)
-    paged_attention_impl<bf16>(out, q, k_cache, v_cache, block_table, row_seq, row_kv_len, scale);
-  else if (q.scalar_type() == at::kFloat)
-    paged_attention_impl<float>(out, q, k_cache, v_cache, block_table, row_seq, row_kv_len, scale);
-  else
-    TORCH_CHECK(false, "paged_attention: float32 or bfloat16 only");
+  by_dtype(q.scalar_type(), "paged_attention", [&](auto tag) { paged_attention_impl<decltype(tag)>(out, q, k_cache, v_cache, block_table, row_seq, row_kv_len, scale); });
 }
 
 // ------------------------------------------------------------------ rotary + KV-cache write
@@ -322,12 +328,7 @@ void rotary_kv_write(at::Tensor qkv, int64_t Hq, int64_t Hkv, at::Tensor cos, at
                      at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots) {
   TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(), "contiguous qkv and tables");
   TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && qkv.scalar_type() == k_cache.scalar_type(), "one dtype");
-  if (qkv.scalar_type() == at::kBFloat16)
-    rotary_kv_impl<bf16>(qkv, Hq, Hkv, cos, sin, positions, k_cache, v_cache, slots);
-  else if (qkv.scalar_type() == at::kFloat)
-    rotary_kv_impl<float>(qkv, Hq, Hkv, cos, sin, positions, k_cache, v_cache, slots);
-  else
-    TORCH_CHECK(false, "rotary_kv_write: float32 or bfloat16 only");
+  by_dtype(qkv.scalar_type(), "rotary_kv_write", [&](auto tag) { rotary_kv_impl<decltype(tag)>(qkv, Hq, Hkv, cos, sin, positions, k_cache, v_cache, slots); });
 }
 
 // ------------------------------------------------------------------ (add +) RMSNorm
@@ -373,12 +374,7 @@ void rms_norm(at::Tensor out, at::Tensor x, c10::optional<at::Tensor> residual, 
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous(), "x/out: contiguous [tokens, hidden]");
   TORCH_CHECK(!residual || residual->is_contiguous(), "contiguous residual");
   at::Tensor* r = residual ? &residual.value() : nullptr;
-  if (x.scalar_type() == at::kBFloat16)
-    rms_norm_impl<bf16>(out, x, r, weight, eps);
-  else if (x.scalar_type() == at::kFloat)
-    rms_norm_impl<float>(out, x, r, weight, eps);
-  else
-    TORCH_CHECK(false, "rms_norm: float32 or bfloat16 only");
+  by_dtype(x.scalar_type(), "rms_norm", [&](auto tag) { rms_norm_impl<decltype(tag)>(out, x, r, weight, eps); });
 }
 
 // ------------------------------------------------------------------ SiLU(gate) * up
@@ -407,12 +403,7 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gu) {
 at::Tensor silu_and_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous(), "gate_up: contiguous [tokens, 2 * inter]");
   at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
-  if (gate_up.scalar_type() == at::kBFloat16)
-    silu_and_mul_impl<bf16>(out, gate_up);
-  else if (gate_up.scalar_type() == at::kFloat)
-    silu_and_mul_impl<float>(out, gate_up);
-  else
-    TORCH_CHECK(false, "silu_and_mul: float32 or bfloat16 only");
+  by_dtype(gate_up.scalar_type(), "silu_and_mul", [&](auto tag) { silu_and_mul_impl<decltype(tag)>(out, gate_up); });
   return out;
 }
 
@@ -448,12 +439,7 @@ void argmax_impl(const at::Tensor& x, at::Tensor& out) {
 at::Tensor argmax_rows(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "logits: [rows, vocab], last dim dense");
   at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
-  if (x.scalar_type() == at::kBFloat16)
-    argmax_impl<bf16>(x, out);
-  else if (x.scalar_type() == at::kFloat)
-    argmax_impl<float>(x, out);
-  else
-    TORCH_CHECK(false, "argmax_rows: float32 or bfloat16 only");
+  by_dtype(x.scalar_type(), "argmax_rows", [&](auto tag) { argmax_impl<decltype(tag)>(x, out); });
   return out;
 }
 
