@@ -25,7 +25,9 @@ def setup_logging(fmt: str = "console", level: str = "info", **bind: object) -> 
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # one write per line (PrintLogger writes the newline separately): processes sharing a log
+        # file cannot splice their lines together
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.clear_contextvars()
