@@ -109,6 +109,8 @@ class ModelRunner:
         self.eos_token_ids = mc.eos_token_ids
         self.vocab_size = mc.vocab_size
         self.block_size = config.block_size
+        # the grammar tokenizer builds on its own thread while the weights load
+        self.structured = StructuredDecoding(config.model, self.vocab_size, self.eos_token_ids, enabled=rank == 0)
         self.model = load_model(self.model_config, self.dtype, progress=rank == 0,
                                 quantization=config.quantization)
         embed = self.task == "embed"  # an encoder keeps no KV cache: each prompt runs whole in one step
@@ -120,7 +122,6 @@ class ModelRunner:
         self.result_tensors: list[torch.Tensor] = []  # extra frames the last StepResult's TensorRefs name
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self.native = native.for_dtype(self.dtype)  # fused C++ kernels (None: the torch path)
-        self.structured = StructuredDecoding(config.model, self.vocab_size, self.eos_token_ids, enabled=rank == 0)
         self.requests: dict[str, RequestState] = {}
         self.snapshots = StepSnapshots.from_config(self.model, config.snapshot, rank)  # --snapshot capture
         # vision-language models: images of requests whose plan brings pixels are encoded here

@@ -89,7 +89,9 @@ class WorkerActor(Actor):
 
         def load() -> None:
             try:
-                result = (ModelRunner(self.config, self.rank), torch.get_num_threads())
+                runner = ModelRunner(self.config, self.rank)
+                runner.structured.wait_warm()
+                result = (runner, torch.get_num_threads())
                 loop.call_soon_threadsafe(done.set_result, result)
             except BaseException as e:  # noqa: BLE001 - re-raised on the loop
                 loop.call_soon_threadsafe(done.set_exception, e)

@@ -198,3 +198,34 @@ def test_tensor_parallel_rank0_masks_and_every_rank_follows(padded_dir, tok):
     assert results[0] == results[1]
     for ids in results[0].values():
         jsonschema.validate(json.loads(tok.decode(ids)), PERSON)
+
+
+def test_grammar_tokenizer_from_tokenizer_json_matches_transformers(smollm2_dir, tmp_path):
+    """The worker builds llguidance's tokenizer from tokenizer.json without transformers; it must
+    be the one transformers' tokenizer gives (every token's bytes, special flags, tokenization),
+    and defer to transformers where tokenizer_config.json adds a token the file lacks."""
+    import shutil
+
+    import llguidance.hf
+
+    from axonserve.frontends.tokenizer import load_hf_tokenizer
+    from axonserve.neuron.structured import _tokenizer_json_llg
+
+    padded = TOKENIZER_VOCAB + 64
+    fast = _tokenizer_json_llg(smollm2_dir, padded, [2])
+    ref = llguidance.hf.from_tokenizer(load_hf_tokenizer(smollm2_dir), n_vocab=padded, eos_token=[2])
+    assert fast is not None and fast.vocab_size == ref.vocab_size == padded and fast.eos_token == ref.eos_token
+    ids = range(TOKENIZER_VOCAB)
+    assert [fast.decode_bytes([i]) for i in ids] == [ref.decode_bytes([i]) for i in ids]
+    assert [fast.is_special_token(i) for i in ids] == [ref.is_special_token(i) for i in ids]
+    for text in ("Hello world <|im_start|>user", '{"name": "Zoë", "age": 42}', "  \n\tx"):
+        assert fast.tokenize_str(text) == ref.tokenize_str(text)
+
+    d = tmp_path / "extra"
+    shutil.copytree(smollm2_dir, d, ignore=shutil.ignore_patterns("*.safetensors", "*.gguf"))
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg.setdefault("added_tokens_decoder", {})[str(TOKENIZER_VOCAB)] = {"content": "<|extra|>", "special": True}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert _tokenizer_json_llg(str(d), padded, [2]) is None
+    (d / "tokenizer.json").unlink()
+    assert _tokenizer_json_llg(str(d), padded, [2]) is None
