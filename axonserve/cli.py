@@ -41,7 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--max-waiting", type=int, default=0,
                    help="bound on queued requests; beyond it requests get HTTP 503 (0: unbounded)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: the checkpoint's precision; 16-bit and quantized (GGUF) checkpoints run in "
+                        "bfloat16 where the CPU has native bf16, float32 checkpoints stay float32")
     p.add_argument("--quantization", "-q", default="", choices=["", "int8", "int4"],
                    help="weight-only quantization of the linear layers and LM head (approximate outputs)")
     p.add_argument("--num-workers", "--tensor-parallel-size", "-tp", type=int, default=1, dest="num_workers",
@@ -127,7 +129,6 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
     from axonserve.neuron.pooling import resolve_task
 
     model_dir = resolve_model(args.model)
-    dtype = "float32" if args.dtype == "auto" else args.dtype
     return EngineConfig(
         model=model_dir,
         served_model_name=args.served_model_name or args.model,
@@ -142,7 +143,7 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         enable_chunked_prefill=args.enable_chunked_prefill,
         scheduling_policy=args.scheduling_policy,
         max_waiting=args.max_waiting,
-        dtype=dtype,
+        dtype=args.dtype,
         quantization=args.quantization,
         num_workers=args.num_workers,
         enable_expert_parallel=args.enable_expert_parallel,

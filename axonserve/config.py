@@ -54,6 +54,36 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
         return self
 
 
+def cpu_has_bf16() -> bool:
+    """Native bfloat16 arithmetic (AVX512-BF16 or AMX): bf16 linears then beat float32 ~2x."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(model_dir: str) -> str:
+    """`--dtype auto` (the default of `serve` and `LLM`, as in vLLM): the checkpoint's precision.
+    16-bit and quantized checkpoints (a GGUF's converted config says which) run in bfloat16
+    where the CPU computes it natively, else float32 (float16 has no fast CPU path: vLLM-CPU
+    casts it to bfloat16 too). Float32 checkpoints stay float32 (vLLM would downcast them;
+    `--dtype bfloat16` trades transformers' reference precision for speed)."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return "float32"
+    # transformers 5 writes `dtype`; a multimodal model's text config may carry it instead
+    declared = cfg.get("dtype") or cfg.get("torch_dtype") or (cfg.get("text_config") or {}).get("dtype") \
+        or (cfg.get("text_config") or {}).get("torch_dtype")
+    return "bfloat16" if declared in ("bfloat16", "float16") and cpu_has_bf16() else "float32"
+
+
 class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str  # resolved model directory (config.json, weights, tokenizer)
     served_model_name: str = ""
@@ -68,7 +98,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | priority
     max_waiting: int = 0  # bound on queued requests (0: unbounded); beyond it -> 503
-    dtype: str = "float32"
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (resolve_dtype; the CLI and LLM default)
     quantization: str = ""  # weight-only int8 | int4 (neuron/layers/quant.py); "" = as loaded
     num_workers: int = 1  # worker ranks
     enable_expert_parallel: bool = False  # MoE: experts split over the ranks (else each expert is sharded)
@@ -119,6 +149,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     speculative: SpeculativeConfig | None = None  # speculative decoding (engine/spec.py)
 
     def __post_init__(self) -> None:
+        if self.dtype == "auto":  # resolved once here: every actor gets the concrete dtype
+            self.dtype = resolve_dtype(self.model)
         if self.speculative is not None:
             self.speculative.validate()
             if self.bucketing:

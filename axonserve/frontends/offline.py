@@ -71,6 +71,7 @@ class LLM:
             name = model or "SmolLM2-135M-Instruct"
             if "speculative_config" in kwargs:  # vLLM's keyword
                 kwargs["speculative"] = SpeculativeConfig.parse(kwargs.pop("speculative_config"))
+            kwargs.setdefault("dtype", "auto")  # vLLM's default: the checkpoint's precision
             config = EngineConfig(model=resolve_model(model), served_model_name=name, **kwargs)
         from axonserve.neuron.pooling import resolve_task
 

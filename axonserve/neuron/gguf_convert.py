@@ -18,7 +18,7 @@ import structlog
 
 log = structlog.get_logger()
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: config.json declares the GGUF's precision (torch_dtype)
 SUPPORTED_GGUF_ARCHS = ("llama",)
 
 _LAYER_NAMES = {
@@ -61,6 +61,12 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
+def _is_f32(t: Any) -> bool:
+    from gguf import GGMLQuantizationType
+
+    return t.tensor_type == GGMLQuantizationType.F32
+
+
 def build_config(reader: Any) -> dict[str, Any]:
     """LlamaConfig-compatible config.json contents from GGUF metadata."""
     arch = _field(reader, "general.architecture")
@@ -86,7 +92,9 @@ def build_config(reader: Any) -> dict[str, Any]:
         "rope_theta": float(p("rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in names,
         "hidden_act": "silu",
-        "torch_dtype": "float32",
+        # what `--dtype auto` reads: a GGUF of 16-bit or quantized weights is a reduced-precision
+        # checkpoint (its converted tensors are float32 only because dequantization writes them so)
+        "torch_dtype": "float32" if all(_is_f32(t) for t in reader.tensors) else "bfloat16",
     }
     for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id")):
         v = _field(reader, f"tokenizer.ggml.{name}")

@@ -111,3 +111,52 @@ def test_concurrent_conversions_agree(tiny_gguf, tmp_path):
     (d,) = dirs
     assert os.path.isfile(os.path.join(d, "model.safetensors"))
     assert os.listdir(os.path.dirname(d)) == [os.path.basename(d)]  # no temp dirs left behind
+
+
+def test_gguf_precision_is_declared_for_dtype_auto(tiny_llama_dir, tiny_gguf, tmp_path, monkeypatch):
+    """`--dtype auto` serves a checkpoint at its own precision: an all-F32 GGUF stays float32, one
+    with 16-bit (or quantized) weights is a bf16 checkpoint, run in bf16 where the CPU has it."""
+    import json
+
+    import gguf
+
+    from axonserve.config import EngineConfig, cpu_has_bf16
+
+    monkeypatch.setenv("AXONSERVE_CACHE_DIR", str(tmp_path))
+    f32 = resolve_model(tiny_gguf)
+    half_path = str(tmp_path / "half.gguf")
+    r = gguf.GGUFReader(tiny_gguf)
+    w = gguf.GGUFWriter(half_path, "llama")
+    for field in r.fields.values():
+        if field.name.startswith(("llama.", "tokenizer.")):
+            sub = field.types[-1] if len(field.types) > 1 else None
+            w.add_key_value(field.name, field.contents(), field.types[0], sub)
+    for t in r.tensors:
+        a = np.asarray(t.data).reshape(tuple(reversed(t.shape.tolist())))
+        w.add_tensor(t.name, a.astype(np.float16) if a.ndim == 2 else a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    half = resolve_model(half_path)
+    declared = [json.load(open(os.path.join(d, "config.json")))["torch_dtype"] for d in (f32, half)]
+    assert declared == ["float32", "bfloat16"]
+    fast = "bfloat16" if cpu_has_bf16() else "float32"
+    resolved = [EngineConfig(model=d, dtype="auto").dtype for d in (f32, half, tiny_llama_dir)]
+    assert resolved == ["float32", fast, "float32"]
+    assert EngineConfig(model=half).dtype == "float32"  # the struct's own default stays explicit
+
+
+def test_serve_defaults_to_dtype_auto(smollm2_dir):
+    """The README's serve command: the default model (a Q4_1 GGUF) runs in bf16 on a bf16 CPU."""
+    import argparse
+
+    from axonserve.cli import add_engine_args, engine_config
+    from axonserve.config import cpu_has_bf16
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args([])
+    assert args.dtype == "auto"
+    assert engine_config(args).dtype == ("bfloat16" if cpu_has_bf16() else "float32")
+    assert engine_config(p.parse_args(["--dtype", "float32"])).dtype == "float32"
