@@ -19,6 +19,7 @@ import os
 import zmq
 
 from axonserve.actors.runtime import Actor
+from axonserve.neuron.heap import keep_heap
 from axonserve.protocol import Codec, DecodeError
 from axonserve.protocol.messages import ProfileAck, ProfileCommand, StepPlan
 
@@ -31,6 +32,7 @@ class WorkerActor(Actor):
 
     async def setup(self) -> dict:
         self.rank = self.spec.rank
+        keep_heap()  # before the model load: its buffers come from the heap as well
         self.sub = self.socket(zmq.SUB, self.addresses.plan)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.push = self.socket(zmq.PUSH, self.addresses.result) if self.rank == 0 else None

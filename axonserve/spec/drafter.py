@@ -22,6 +22,7 @@ import torch
 import zmq
 
 from axonserve.actors.runtime import Actor
+from axonserve.neuron.heap import keep_heap
 from axonserve.protocol import Codec, DecodeError, tensor_from_frame
 from axonserve.protocol.messages import (
     CachedRequestData,
@@ -56,6 +57,7 @@ class DrafterActor(Actor):
 
     async def setup(self) -> dict[str, Any]:
         torch.set_num_threads(self.config.threads or len(os.sched_getaffinity(0)))
+        keep_heap()
         spec = self.config.speculative
         assert spec is not None
         if spec.method == "eagle":
