@@ -48,8 +48,9 @@ def test_rms_norm_with_and_without_residual(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul(dtype):
-    gu = torch.randn(5, 2 * 96, generator=_gen(1)).to(dtype) * 4
+@pytest.mark.parametrize("inter", [96, 100])  # 16-lane vectors only; vectors and a scalar tail
+def test_silu_and_mul(dtype, inter):
+    gu = torch.randn(5, 2 * inter, generator=_gen(1)).to(dtype) * 4
     gate, up = gu.chunk(2, dim=-1)
     ref = F.silu(gate) * up
     got = K.silu_and_mul(gu)

@@ -83,10 +83,11 @@ inline __m512 reduce16x16(const __m512* v) {
 // rnd<T> on 16 lanes
 template <typename T> inline __m512 rnd16(__m512 v);
 template <> inline __m512 rnd16<float>(__m512 v) { return v; }
-template <> inline __m512 rnd16<bf16>(__m512 v) {
-  alignas(32) bf16 tmp[16];
-  store16(tmp, v);
-  return load16(tmp);
+template <> inline __m512 rnd16<bf16>(__m512 v) {  // in register: c10's round-to-nearest-even (finite)
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(int(0xFFFF0000u))));
 }
 #endif
 
@@ -389,12 +390,21 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gu) {
     for (int64_t t = begin; t < end; ++t) {
       const T* gr = g + t * 2 * I;
       const T* ur = gr + I;
-      for (int64_t j = 0; j < I; ++j) e[j] = -to_f(gr[j]);
-      exp_inplace(e.data(), I);
       T* o = op + t * I;
-      for (int64_t j = 0; j < I; ++j) {
+      int64_t j0 = 0;
+#ifdef AXON_AVX512
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (; j0 + 16 <= I; j0 += 16) {  // the scalar loop below, 16 lanes at a time (same roundings)
+        const __m512 x = load16(gr + j0);
+        const __m512 ex = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        store16(o + j0, _mm512_mul_ps(rnd16<T>(_mm512_div_ps(x, _mm512_add_ps(one, ex))), load16(ur + j0)));
+      }
+#endif
+      for (int64_t j = j0; j < I; ++j) e[j - j0] = -to_f(gr[j]);
+      exp_inplace(e.data(), I - j0);
+      for (int64_t j = j0; j < I; ++j) {
         const float x = to_f(gr[j]);
-        o[j] = from_f<T>(rnd<T>(x / (1.f + e[j])) * to_f(ur[j]));
+        o[j] = from_f<T>(rnd<T>(x / (1.f + e[j - j0])) * to_f(ur[j]));
       }
     }
   });
