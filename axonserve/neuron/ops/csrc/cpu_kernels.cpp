@@ -8,6 +8,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -424,7 +425,8 @@ void argmax_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t N = x.size(0), V = x.size(1), rs = x.stride(0);
   const T* xp = x.data_ptr<T>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+  // small inputs stay on the calling thread: waking the OpenMP team costs more than the scan
+  at::parallel_for(0, N, std::max<int64_t>(1, 32768 / V), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* row = xp + i * rs;
       int64_t best = 0;
