@@ -25,12 +25,14 @@ def kernels_path(request, monkeypatch):
 def test_logits_match_transformers(tiny_llama_dir, kernels_path):
     runner = make_runner(resolve_model(tiny_llama_dir))
     assert (runner.native is not None) == (kernels_path == "native")
-    ids = torch.randint(0, 1024, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    ids = torch.randint(0, 1024, (300,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         ref = hf_model(tiny_llama_dir)(torch.tensor([ids])).logits[0]
-    for chunks in ([37], [10, 1, 26], [1] * 5 + [32]):
+    # short chunks, decodes, and chunks of NATIVE_MAX_QUERY+ tokens (the SDPA path) first and after a context
+    for chunks in ([37], [10, 1, 26], [1] * 5 + [32], [150, 2, 148], [20, 280]):
+        ref_n = ref[: sum(chunks)]
         got = runner_logits(runner, ids, chunks)
-        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got, ref_n, atol=1e-4, rtol=1e-4)
 
 
 def test_llama3_rope_scaling_parity(tmp_path):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from axonserve.neuron.layers.rotary import RotaryEmbedding, apply_rotary
 from axonserve.neuron.ops import native
-from axonserve.neuron.ops.attention import AttentionMetadata, paged_attention
+from axonserve.neuron.ops.attention import NATIVE_MAX_QUERY, AttentionMetadata, paged_attention
 
 from .test_attention import random_block_tables
 
@@ -83,21 +83,25 @@ def test_rotary_and_cache_write(dtype, head_dim):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 24])
-def test_paged_attention_mixed_batch(dtype, head_dim):
+@pytest.mark.parametrize("long", [[], [(150, 0), (130, 20)]])
+def test_paged_attention_mixed_batch(dtype, head_dim, long):
     """Decodes, short chunks of different lengths (verification), first chunks and a long prefill
-    with a context in one flat batch, through AttentionMetadata.build(native=...) against the torch path."""
+    with a context in one flat batch, through AttentionMetadata.build(native=...) against the torch
+    path; chunks of NATIVE_MAX_QUERY+ tokens (first and with a context) mixed in take SDPA."""
     g = _gen(3)
-    bs, blocks, hkv, hq = 4, 96, 2, 6
+    bs, blocks, hkv, hq = 4, 256, 2, 6
     k_cache = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(dtype)
     v_cache = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(dtype)
     seqs = [(1, 0), (1, 12), (1, 33), (3, 9), (5, 17), (4, 0), (30, 6), (40, 0), (2, 3)]  # (query_len, context_len)
+    seqs = seqs[:5] + long[:1] + seqs[5:8] + long[1:] + seqs[8:]  # long chunks amid the short ones
     tables = random_block_tables(seqs, bs, blocks, g)
     args = ([q for q, _ in seqs], [c for _, c in seqs], tables, bs)
     t = sum(q for q, _ in seqs)
     q, k, v = (torch.randn(t, h, head_dim, generator=g).to(dtype) for h in (hq, hkv, hkv))
     scale = head_dim**-0.5
     meta = AttentionMetadata.build(*args, native=K)
-    assert meta.native_rows == t and not meta.prefills  # one kernel call for every row
+    assert all(n >= NATIVE_MAX_QUERY for n, _ in long)
+    assert meta.native_rows == t - sum(n for n, _ in long) and len(meta.prefills) == len(long)
     kc, vc = k_cache.clone(), v_cache.clone()
     got = paged_attention(q, k, v, kc, vc, meta, scale)
     ref = paged_attention(q, k, v, k_cache, v_cache, AttentionMetadata.build(*args), scale)

@@ -55,6 +55,7 @@ class AttentionMetadata:
     native_block_table: torch.Tensor | None = None  # [sequences, max_blocks] long
     native_row_seq: torch.Tensor | None = None  # [native_rows] long: the row's block-table row
     native_row_kv_len: torch.Tensor | None = None  # [native_rows] long: keys the row attends to
+    native_idx: torch.Tensor | None = None  # flat rows the kernel takes when not all (long chunks: SDPA)
 
     @classmethod
     def build(
@@ -82,14 +83,23 @@ class AttentionMetadata:
         slots = table[seq_of_tok, positions // block_size] * block_size + positions % block_size
         meta = cls(positions=torch.from_numpy(positions), slot_mapping=torch.from_numpy(slots), native=native)
         if native is not None:
-            # every row (decode, verification, prefill chunk) reads its keys from the cache, written
-            # before attention runs: one call per layer, and 3x faster than torch's CPU SDPA even
-            # for 1024-token prefills (which falls back to its math path for GQA)
-            first = n
-            meta.native_rows = len(positions)
+            # decodes, verifications and short chunks read their keys from the cache in place, one
+            # kernel call per layer; chunks of NATIVE_MAX_QUERY+ tokens go to torch's flash SDPA,
+            # whose blocked matmuls win once a chunk's queries x keys grow (the kernel's cost is
+            # per query row: a 4,096-token prompt took 13.6 s in it, ~1 s of SDPA)
+            long = np.nonzero(q >= NATIVE_MAX_QUERY)[0]
+            rows = np.arange(len(positions))
+            if len(long):
+                keep = np.ones(len(positions), dtype=bool)
+                for i in long:
+                    keep[starts[i] : starts[i] + q[i]] = False
+                rows = np.nonzero(keep)[0]
+                meta.native_idx = torch.from_numpy(rows)
+            meta.native_rows = len(rows)
             meta.native_block_table = torch.from_numpy(table)
-            meta.native_row_seq = torch.from_numpy(seq_of_tok)
-            meta.native_row_kv_len = torch.from_numpy(positions + 1)
+            meta.native_row_seq = torch.from_numpy(seq_of_tok[rows])
+            meta.native_row_kv_len = torch.from_numpy(positions[rows] + 1)
+            prefill_seqs = [int(i) for i in long]
         else:
             meta.num_decodes = first = num_decodes
             if num_decodes:
@@ -109,7 +119,8 @@ class AttentionMetadata:
                     limit = ctx[sl, None, None] + np.arange(qs)[None, :, None]
                     meta.short_mask = torch.from_numpy(key_pos <= limit)
                     first += num_short
-        for i in range(first, n):
+            prefill_seqs = list(range(first, n))
+        for i in prefill_seqs:
             p = PrefillSeq(start=int(starts[i]), end=int(starts[i] + q[i]), context_len=int(ctx[i]))
             if p.context_len:
                 kv = int(seq_lens[i])
@@ -120,6 +131,7 @@ class AttentionMetadata:
 
 
 SHORT_QUERY = 16  # longest chunk the batched short-chunk path takes
+NATIVE_MAX_QUERY = 128  # with native kernels, chunks this long or longer take the SDPA path
 
 
 def build_static(
@@ -198,10 +210,17 @@ def paged_attention(
         k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
     hq, nd = q.shape[1], meta.num_decodes
-    if meta.native_rows:
+    if meta.native is not None:
         out = torch.empty(q.shape, dtype=q.dtype)
-        meta.native.paged_attention(out, q, k_cache, v_cache, meta.native_block_table,  # type: ignore[union-attr]
-                                    meta.native_row_seq, meta.native_row_kv_len, scale)
+        if meta.native_rows:
+            idx = meta.native_idx
+            qn = q if idx is None else q.index_select(0, idx)
+            on = out if idx is None else torch.empty(qn.shape, dtype=q.dtype)
+            meta.native.paged_attention(on, qn, k_cache, v_cache, meta.native_block_table,
+                                        meta.native_row_seq, meta.native_row_kv_len, scale)
+            if idx is not None:
+                out.index_copy_(0, idx, on)
+        _prefills(q, k, v, k_cache, v_cache, meta, scale, out)
         return out
     if meta.static_prefill is not None:
         nb, nq = meta.static_prefill
@@ -241,16 +260,18 @@ def paged_attention(
 
 def _prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
-    """The prefill chunks, one SDPA each (a first chunk attends to its own new K/V directly)."""
+    """The prefill chunks, one SDPA each (a first chunk attends to its own new K/V directly).
+    Inputs are 4-D ([1, heads, tokens, D]): torch's CPU SDPA takes its flash kernel only then, and
+    its math path for 3-D inputs (a 1,024-token chunk: 2.9 vs 56 ms per layer)."""
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     for p in meta.prefills:
-        qp = q[p.start : p.end].transpose(0, 1)
+        qp = q[p.start : p.end].transpose(0, 1)[None]
         if p.context_len == 0:
-            kp, vp = k[p.start : p.end].transpose(0, 1), v[p.start : p.end].transpose(0, 1)
+            kp, vp = k[p.start : p.end].transpose(0, 1)[None], v[p.start : p.end].transpose(0, 1)[None]
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
         else:
             kv_len = p.mask.shape[1]  # type: ignore[union-attr]
-            kp = _gather_blocks(k_cache, p.block_ids).view(-1, hkv, d)[:kv_len].transpose(0, 1)
-            vp = _gather_blocks(v_cache, p.block_ids).view(-1, hkv, d)[:kv_len].transpose(0, 1)
+            kp = _gather_blocks(k_cache, p.block_ids).view(-1, hkv, d)[:kv_len].transpose(0, 1)[None]
+            vp = _gather_blocks(v_cache, p.block_ids).view(-1, hkv, d)[:kv_len].transpose(0, 1)[None]
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=True)
-        out[p.start : p.end] = op.transpose(0, 1)
+        out[p.start : p.end] = op[0].transpose(0, 1)
