@@ -46,26 +46,40 @@ class GrammarState:
 
 def _tokenizer_json_llg(model_dir: str, vocab_size: int, eos_token_ids: list[int]) -> Any | None:
     """The grammar tokenizer straight from `tokenizer.json` (~0.4 s), without importing
-    transformers (~1.3 s more in a process that never needs it otherwise). None when the file is
-    absent (GGUF-only directories) or tokenizer_config.json adds tokens the file lacks: the
-    transformers tokenizer then decides, as the frontend's does."""
+    transformers (~1.3 s more in a process that never needs it otherwise). None whenever
+    transformers' tokenizer might differ from the file (the transformers path then decides, as the
+    frontend's tokenizer does): no file (GGUF-only directories), an unreadable one, added_tokens.json,
+    configured tokens the file lacks, or pre-tokenizer options transformers applies on load."""
     import json
     import os
 
     path = os.path.join(model_dir, "tokenizer.json")
-    if not os.path.isfile(path):
+    if not os.path.isfile(path) or os.path.exists(os.path.join(model_dir, "added_tokens.json")):
         return None
-    from llguidance import LLTokenizer
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(path)
     try:
-        with open(os.path.join(model_dir, "tokenizer_config.json")) as f:
-            added = json.load(f).get("added_tokens_decoder") or {}
-    except FileNotFoundError:
-        added = {}
+        from llguidance import LLTokenizer
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(path)
+        cfg: dict = {}
+        for name in ("special_tokens_map.json", "tokenizer_config.json"):
+            if os.path.isfile(os.path.join(model_dir, name)):
+                with open(os.path.join(model_dir, name)) as f:
+                    cfg.update(json.load(f))
+    except Exception as e:  # noqa: BLE001 - the transformers path may still read it
+        log.info("structured.fast_tokenizer_skipped", error=f"{type(e).__name__}: {e}")
+        return None
+    if "add_prefix_space" in cfg or cfg.get("legacy") is False:
+        return None
+    added = cfg.get("added_tokens_decoder") or {}
     if any(tok.id_to_token(int(i)) != t.get("content") for i, t in added.items()):
         return None
+    named = [cfg.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")]
+    named += list(cfg.get("additional_special_tokens") or []) + list(cfg.get("extra_special_tokens") or [])
+    for t in named:
+        content = t.get("content") if isinstance(t, dict) else t
+        if isinstance(content, str) and tok.token_to_id(content) is None:
+            return None
     tok.no_padding()
     tok.no_truncation()
     n_vocab = max(vocab_size, tok.get_vocab_size(with_added_tokens=True))
@@ -90,11 +104,14 @@ class StructuredDecoding:
                                           daemon=True)
             self._warm.start()
 
-    def wait_warm(self) -> None:
-        """Block until the grammar tokenizer is built: a worker reports ready only then, since
-        the build holds the GIL and slowed every step of its first ~1.5 s (3-9x at batch 1)."""
+    def wait_warm(self, timeout_s: float = 60.0) -> None:
+        """Wait for the grammar tokenizer: a worker reports ready only then, since the build holds
+        the GIL and slowed every step of its first ~1.5 s (3-9x at batch 1). Bounded: a stuck
+        build delays structured requests (they join it), not the engine's start."""
         if self._warm is not None:
-            self._warm.join()
+            self._warm.join(timeout_s)
+            if self._warm.is_alive():
+                log.warning("structured.tokenizer_slow", waited_s=timeout_s)
 
     # ------------------------------------------------------------------ matchers
 

@@ -64,12 +64,13 @@ def hf_model(path: str):
 
 
 def runner_logits(runner, ids: list[int], chunks: list[int]) -> torch.Tensor:
-    """All-position logits of one sequence, prefilled in the given chunk sizes."""
+    """All-position logits of one sequence, prefilled in the given chunk sizes (through the
+    runner's attention path: native kernels when it has them, as `execute` does)."""
     out, c = [], 0
     blocks = list(range(-(-len(ids) // runner.block_size)))[::-1]  # reversed: non-contiguous slots
     with torch.inference_mode():
         for n in chunks:
-            meta = AttentionMetadata.build([n], [c], [blocks], runner.block_size)
+            meta = AttentionMetadata.build([n], [c], [blocks], runner.block_size, native=runner.native)
             h = runner.model(torch.tensor(ids[c : c + n]), meta.positions, runner.kv_caches, meta)
             out.append(runner.model.compute_logits(h))
             c += n

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from axonserve.neuron.layers.rotary import RotaryEmbedding, apply_rotary
-from axonserve.neuron.ops import native
+from axonserve.neuron.ops import attention, native
 from axonserve.neuron.ops.attention import NATIVE_MAX_QUERY, AttentionMetadata, paged_attention
 
 from .test_attention import random_block_tables
@@ -51,13 +51,14 @@ def test_rms_norm_with_and_without_residual(dtype):
 @pytest.mark.parametrize("inter", [96, 100])  # 16-lane vectors only; vectors and a scalar tail
 def test_silu_and_mul(dtype, inter):
     gu = torch.randn(5, 2 * inter, generator=_gen(1)).to(dtype) * 4
+    gu[1, 3] = gu[2, inter - 1] = float("nan")  # a NaN gate stays NaN (vector lanes and the tail)
     gate, up = gu.chunk(2, dim=-1)
     ref = F.silu(gate) * up
     got = K.silu_and_mul(gu)
     if dtype == torch.bfloat16:
-        assert torch.equal(got, ref)
+        torch.testing.assert_close(got, ref, atol=0, rtol=0, equal_nan=True)
     else:
-        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -84,7 +85,7 @@ def test_rotary_and_cache_write(dtype, head_dim):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 24])
 @pytest.mark.parametrize("long", [[], [(150, 0), (130, 20)]])
-def test_paged_attention_mixed_batch(dtype, head_dim, long):
+def test_paged_attention_mixed_batch(dtype, head_dim, long, monkeypatch):
     """Decodes, short chunks of different lengths (verification), first chunks and a long prefill
     with a context in one flat batch, through AttentionMetadata.build(native=...) against the torch
     path; chunks of NATIVE_MAX_QUERY+ tokens (first and with a context) mixed in take SDPA."""
@@ -108,6 +109,11 @@ def test_paged_attention_mixed_batch(dtype, head_dim, long):
     assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1.6e-2, rtol=1.6e-2)
     torch.testing.assert_close(got, ref, **tol)
+    if long:  # the torch path runs the long chunks through the same SDPA code: check them on the kernel too
+        monkeypatch.setattr(attention, "NATIVE_MAX_QUERY", 10**9)
+        all_native = AttentionMetadata.build(*args, native=K)
+        assert all_native.native_rows == t and all_native.native_idx is None
+        torch.testing.assert_close(got, paged_attention(q, k, v, k_cache, v_cache, all_native, scale), **tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -84,11 +84,14 @@ inline __m512 reduce16x16(const __m512* v) {
 // rnd<T> on 16 lanes
 template <typename T> inline __m512 rnd16(__m512 v);
 template <> inline __m512 rnd16<float>(__m512 v) { return v; }
-template <> inline __m512 rnd16<bf16>(__m512 v) {  // in register: c10's round-to-nearest-even (finite)
+template <> inline __m512 rnd16<bf16>(__m512 v) {  // in register: c10's round-to-nearest-even
   __m512i u = _mm512_castps_si512(v);
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(int(0xFFFF0000u))));
+  const __m512 r = _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(int(0xFFFF0000u))));
+  // NaN stays NaN (c10's 0x7FC0), where the carry could otherwise make it inf or -0
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r,
+                              _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
 }
 #endif
 
@@ -426,7 +429,7 @@ void argmax_impl(const at::Tensor& x, at::Tensor& out) {
   const T* xp = x.data_ptr<T>();
   int64_t* op = out.data_ptr<int64_t>();
   // small inputs stay on the calling thread: waking the OpenMP team costs more than the scan
-  at::parallel_for(0, N, std::max<int64_t>(1, 32768 / V), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, N, std::max<int64_t>(1, 32768 / std::max<int64_t>(V, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* row = xp + i * rs;
       int64_t best = 0;
