@@ -26,10 +26,12 @@ def _gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+# row counts: one task on the calling thread (small calls stay serial), and several OpenMP tasks
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_with_and_without_residual(dtype):
+@pytest.mark.parametrize("rows", [7, 300])
+def test_rms_norm_with_and_without_residual(dtype, rows):
     g = _gen()
-    x, r = torch.randn(7, 576, generator=g).to(dtype), torch.randn(7, 576, generator=g).to(dtype)
+    x, r = torch.randn(rows, 576, generator=g).to(dtype), torch.randn(rows, 576, generator=g).to(dtype)
     w = torch.randn(576, generator=g).to(dtype)
 
     def ref(h):
@@ -49,8 +51,9 @@ def test_rms_norm_with_and_without_residual(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [96, 100])  # 16-lane vectors only; vectors and a scalar tail
-def test_silu_and_mul(dtype, inter):
-    gu = torch.randn(5, 2 * inter, generator=_gen(1)).to(dtype) * 4
+@pytest.mark.parametrize("rows", [5, 700])
+def test_silu_and_mul(dtype, inter, rows):
+    gu = torch.randn(rows, 2 * inter, generator=_gen(1)).to(dtype) * 4
     gu[1, 3] = gu[2, inter - 1] = float("nan")  # a NaN gate stays NaN (vector lanes and the tail)
     gate, up = gu.chunk(2, dim=-1)
     ref = F.silu(gate) * up
@@ -63,16 +66,17 @@ def test_silu_and_mul(dtype, inter):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 24])  # vector path, scalar path
-def test_rotary_and_cache_write(dtype, head_dim):
+@pytest.mark.parametrize("t", [5, 200])
+def test_rotary_and_cache_write(dtype, head_dim, t):
     g = _gen(2)
-    hq, hkv, t = 6, 2, 5
+    hq, hkv = 6, 2
     rot = RotaryEmbedding(head_dim, 512, 10000.0, None, dtype)
     qkv = torch.randn(t, hq + 2 * hkv, head_dim, generator=g).to(dtype)
-    pos = torch.tensor([0, 5, 17, 300, 511])
-    slots = torch.tensor([3, 7, 40, 2, 63])
+    pos = torch.tensor([0, 5, 17, 300, 511] + list(range(20, 20 + t - 5)))
+    slots = torch.randperm(4 * 64, generator=g)[:t]
     cos, sin = rot(pos)
     ref = apply_rotary(qkv[:, : hq + hkv], cos, sin)
-    kc = torch.zeros(4, 16, hkv, head_dim, dtype=dtype)
+    kc = torch.zeros(4 * 4, 16, hkv, head_dim, dtype=dtype)
     vc = torch.zeros_like(kc)
     got = qkv.clone()
     K.rotary_kv_write(got, hq, hkv, rot.cos, rot.sin, pos, kc, vc, slots)
@@ -85,16 +89,17 @@ def test_rotary_and_cache_write(dtype, head_dim):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 24])
 @pytest.mark.parametrize("long", [[], [(150, 0), (130, 20)]])
-def test_paged_attention_mixed_batch(dtype, head_dim, long, monkeypatch):
+@pytest.mark.parametrize("far", [[], [(1, 300), (1, 400)]])  # enough keys for the kernel to use threads
+def test_paged_attention_mixed_batch(dtype, head_dim, long, far, monkeypatch):
     """Decodes, short chunks of different lengths (verification), first chunks and a long prefill
     with a context in one flat batch, through AttentionMetadata.build(native=...) against the torch
     path; chunks of NATIVE_MAX_QUERY+ tokens (first and with a context) mixed in take SDPA."""
     g = _gen(3)
-    bs, blocks, hkv, hq = 4, 256, 2, 6
+    bs, blocks, hkv, hq = 4, 512, 2, 6
     k_cache = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(dtype)
     v_cache = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(dtype)
     seqs = [(1, 0), (1, 12), (1, 33), (3, 9), (5, 17), (4, 0), (30, 6), (40, 0), (2, 3)]  # (query_len, context_len)
-    seqs = seqs[:5] + long[:1] + seqs[5:8] + long[1:] + seqs[8:]  # long chunks amid the short ones
+    seqs = far + seqs[:5] + long[:1] + seqs[5:8] + long[1:] + seqs[8:]  # long chunks amid the short ones
     tables = random_block_tables(seqs, bs, blocks, g)
     args = ([q for q, _ in seqs], [c for _, c in seqs], tables, bs)
     t = sum(q for q, _ in seqs)

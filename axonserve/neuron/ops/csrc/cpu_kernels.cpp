@@ -95,6 +95,13 @@ template <> inline __m512 rnd16<bf16>(__m512 v) {  // in register: c10's round-t
 }
 #endif
 
+// Rows per task so that a kernel call with under ~32k elements of work stays on the calling
+// thread: the OpenMP team's wake-up and barrier cost more than such a call's work, and when the
+// serving processes preempt one of the team's threads a tiny region stalls the whole step.
+inline int64_t serial_grain(int64_t per_row, int64_t min_rows) {
+  return std::max<int64_t>(min_rows, 32768 / std::max<int64_t>(per_row, 1));
+}
+
 // Calls f(T{}) with T the kernel type of `t` (bfloat16 or float32): one dtype switch for every kernel.
 template <typename F>
 void by_dtype(at::ScalarType t, const char* name, F&& f) {
@@ -265,7 +272,10 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   else if (a.D == 32) item_fn = &attend_item_vec<T, 2>;
   else if (a.D == 256) item_fn = &attend_item_vec<T, 16>;
 #endif
-  at::parallel_for(0, a.R * a.Hkv, 1, [&](int64_t begin, int64_t end) {
+  int64_t keys = 0;  // total keys read: a small call (one short decode) stays on this thread
+  for (int64_t r = 0; r < a.R; ++r) keys += a.kvl[r];
+  const int64_t grain = keys * a.Hq * a.D < 8 * 32768 ? std::max<int64_t>(1, a.R * a.Hkv) : 1;
+  at::parallel_for(0, a.R * a.Hkv, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<int64_t> off;
     for (int64_t item = begin; item < end; ++item)
@@ -296,7 +306,7 @@ void rotary_kv_impl(at::Tensor& qkv, int64_t Hq, int64_t Hkv, const at::Tensor& 
   const int64_t* sl = slots.data_ptr<int64_t>();
   T* kc = k_cache.data_ptr<T>();
   T* vc = v_cache.data_ptr<T>();
-  at::parallel_for(0, Tn, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, Tn, serial_grain((Hq + Hkv) * D, 16), [&](int64_t begin, int64_t end) {
     std::vector<float> row(D);
     for (int64_t t = begin; t < end; ++t) {
       const T* c = ct + pos[t] * D;
@@ -348,7 +358,7 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, at::Tensor* residual, c
   T* rp = residual ? residual->data_ptr<T>() : nullptr;
   const T* wp = w.data_ptr<T>();
   const bool is_f32 = std::is_same<T, float>::value;
-  at::parallel_for(0, Tn, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, Tn, serial_grain(H, 8), [&](int64_t begin, int64_t end) {
     std::vector<float> y(H);
     for (int64_t t = begin; t < end; ++t) {
       const T* xr = xp + t * H;
@@ -389,7 +399,7 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gu) {
   const int64_t Tn = gu.size(0), I = gu.size(1) / 2;
   const T* g = gu.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, Tn, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, Tn, serial_grain(I, 4), [&](int64_t begin, int64_t end) {
     std::vector<float> e(I);
     for (int64_t t = begin; t < end; ++t) {
       const T* gr = g + t * 2 * I;
@@ -428,8 +438,7 @@ void argmax_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t N = x.size(0), V = x.size(1), rs = x.stride(0);
   const T* xp = x.data_ptr<T>();
   int64_t* op = out.data_ptr<int64_t>();
-  // small inputs stay on the calling thread: waking the OpenMP team costs more than the scan
-  at::parallel_for(0, N, std::max<int64_t>(1, 32768 / std::max<int64_t>(V, 1)), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, N, serial_grain(V, 1), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* row = xp + i * rs;
       int64_t best = 0;
