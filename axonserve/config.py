@@ -14,8 +14,8 @@ METHODS = ("ngram", "eagle", "draft_model")
 class SpeculativeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     """vLLM's --speculative-config: who proposes draft tokens and how many per step."""
 
-    # ngram (prompt lookup, in the scheduler) | eagle (draft head) | draft_model (a smaller LM):
-    # the last two run in the drafter actor
+    # ngram (prompt lookup, in the scheduler) | eagle (draft head, run by worker rank 0 on the
+    # step's own hidden states) | draft_model (a smaller LM, in the drafter actor)
     method: str
     num_speculative_tokens: int = 3
     model: str = ""  # eagle: head directory ("" = the head shipped for the default model); draft_model: the model
@@ -39,8 +39,8 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
 
     @property
     def uses_drafter(self) -> bool:
-        """Proposals come from the drafter actor (else from the scheduler itself)."""
-        return self.method != "ngram"
+        """Proposals come from the drafter actor (else from the scheduler or worker rank 0)."""
+        return self.method == "draft_model"
 
     def validate(self) -> "SpeculativeConfig":
         if self.method not in METHODS:

@@ -107,10 +107,11 @@ def eagle_head_dir(tmp_path_factory, tiny_llama_dir) -> str:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", ["mixed_chunked", "tiny_pool_preemption"])
-async def test_greedy_identical_with_the_eagle_drafter_actor(tiny_llama_dir, reference, eagle_head_dir, case):
-    """The drafter process gets every step's hidden states and proposes for every decoding
-    request (acceptance floor 0, so an untrained head keeps drafting): outputs unchanged."""
+@pytest.mark.parametrize("case", list(CASES))
+async def test_greedy_identical_with_eagle_drafts(tiny_llama_dir, reference, eagle_head_dir, case):
+    """Worker rank 0 runs the head on every step's hidden states and drafts for every request
+    that samples (acceptance floor 0, so an untrained head keeps drafting): outputs unchanged,
+    with preemption (head state dropped and rebuilt) and 2 TP ranks (only rank 0 drafts)."""
     spec = SpeculativeConfig(method="eagle", model=eagle_head_dir, disable_by_batch_size=0, min_acceptance_rate=0.0)
     kw = dict(num_kv_blocks=400, block_size=4, log_level="warning", speculative=spec) | CASES[case]
     got, stats = await _run_workload(EngineConfig(model=tiny_llama_dir, **kw))

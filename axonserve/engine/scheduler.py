@@ -409,6 +409,11 @@ class Scheduler:
             req.num_computed_tokens += n
         self._in_flight = [r for r, _ in scheduled]
         self._step_id += 1
+        # EAGLE drafts on worker rank 0 in the step itself, for requests that sample at its end;
+        # above disable_by_batch_size the head is skipped (it would only take cores from the step)
+        eagle = self.want_features and self.spec is not None and self.spec.active(self.running)
+        num_drafts = {r.request_id: k for r, k in self.spec.pick(
+            [r for r, _ in scheduled if r.num_computed_tokens >= r.num_tokens])} if eagle else {}
         plan = StepPlan(
             step_id=self._step_id,
             new=new,
@@ -416,9 +421,8 @@ class Scheduler:
             num_scheduled_tokens=new_n + cached_n,
             finished_request_ids=self._to_drop,
             draft_token_ids=drafts,
-            # EAGLE's drafter only hears of steps it may draft for: above disable_by_batch_size
-            # it would only take cores from the workers (positions it missed count as gaps)
-            want_features=self.want_features and self.spec is not None and self.spec.active(self.running),
+            want_features=eagle,
+            num_drafts=num_drafts,
         )
         self._to_drop = []
         return plan
@@ -451,6 +455,7 @@ class Scheduler:
         now = time.monotonic()
         lps = result.logprobs
         counts = result.num_sampled or itertools.repeat(1)
+        eagle = dict(zip(result.draft_request_ids, result.draft_token_ids))
         at = 0
         for i, (rid, m) in enumerate(zip(result.request_ids, counts)):
             toks = result.sampled_token_ids[at : at + m]
@@ -490,6 +495,8 @@ class Scheduler:
             if done:
                 delta.finish_reason, delta.stop_reason = req.finish_reason, req.stop_reason
                 self._finish(req)
+            elif rid in eagle:
+                self.take_drafts(req, eagle[rid])
             deltas.append(delta)
         for rid in result.pooled_request_ids:  # their vectors travel as frames (scheduler_actor)
             req = self.requests.get(rid)
@@ -505,6 +512,12 @@ class Scheduler:
                 self.blocks.cache_computed(req)
         self._in_flight = []
         return deltas
+
+    def take_drafts(self, req: Request, drafts: list[int]) -> None:
+        """Proposed tokens for req's next step: never past its last token, only valid ids."""
+        room = req.max_total_tokens - req.num_tokens - 1
+        if room > 0 and all(0 <= t < self.cfg.vocab_size for t in drafts):
+            req.spec_token_ids = drafts[:room]
 
     # ------------------------------------------------------------------ internals
 

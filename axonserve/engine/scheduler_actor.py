@@ -357,22 +357,21 @@ class SchedulerActor(Actor):
         return None
 
     async def _propose(self, result: StepResult) -> bool:
-        """Draft tokens for the next step's verification; False: the drafter failed."""
+        """Draft tokens for the next step's verification; False: the drafter failed. (EAGLE's
+        drafts came with the result, from worker rank 0.)"""
         spec = self.sched.spec
         assert spec is not None
+        if spec.cfg.method == "eagle":
+            return True
         want = spec.candidates(self.sched.running)
         if spec.cfg.method == "ngram":
             spec.ngram(want)
             return True
-        if spec.cfg.method == "eagle":
-            msg = self._draft_request(result, {r.request_id: k for r, k in want})
-        else:
-            msg = self._draft_model_request(result.step_id, want)
+        msg = self._draft_model_request(result.step_id, want)
         if not msg.request_ids and not msg.finished_request_ids:
             return True
-        frames = [self.result_frames[result.features.index]] if msg.request_ids and result.features else []
-        msg.reply = any(msg.num_drafts)  # else only the head's KV grows: nothing to wait for
-        await self.drafter.send_multipart(Codec.encode(msg, frames), copy=False)
+        msg.reply = bool(msg.request_ids)  # else only finished requests to drop: nothing to wait for
+        await self.drafter.send_multipart(Codec.encode(msg), copy=False)
         if not msg.reply:
             return True
         reply = await self._recv(self.drafter, _draft_codec, f"drafts for step {result.step_id}",
@@ -385,40 +384,11 @@ class SchedulerActor(Actor):
         if reply.error:  # drafts are optional: this step goes without
             self.log.warning("drafter.error", step_id=msg.step_id, error=reply.error)
             return True
-        vocab = self.sched.cfg.vocab_size
         for rid, drafts in zip(reply.request_ids, reply.draft_token_ids):
-            if any(not 0 <= t < vocab for t in drafts):
-                continue
             req = self.sched.requests.get(rid)
             if req is not None and req.status == Status.RUNNING:
-                req.spec_token_ids = drafts
+                self.sched.take_drafts(req, drafts)
         return True
-
-    def _draft_request(self, result: StepResult, want: dict[str, int]) -> DraftRequest:
-        """What became valid this step, for the drafter (EAGLE): live requests' feature rows
-        with the token after each position; requests it knows that have ended."""
-        msg = DraftRequest(result.step_id)
-        tokens: list[int] = []
-        at = 0
-        for rid, c, m in zip(result.feature_request_ids, result.feature_starts, result.feature_counts):
-            req = self.sched.requests.get(rid)
-            follow = req.token_ids[c + 1 : c + 1 + m] if req is not None and req.status == Status.RUNNING else []
-            if len(follow) == m:
-                msg.request_ids.append(rid)
-                msg.starts.append(c)
-                msg.counts.append(m)
-                msg.offsets.append(at)
-                msg.num_drafts.append(want.get(rid, 0))
-                self._drafted.add(rid)
-                tokens += follow
-            else:  # ended this step
-                tokens += [0] * m
-            at += m
-        msg.tokens = tokens
-        if msg.request_ids:
-            msg.features = TensorRef(1, result.features.dtype, result.features.shape)
-        msg.finished_request_ids = self._gone()
-        return msg
 
     def _draft_model_request(self, step_id: int, want: list) -> DraftRequest:
         """A draft model needs only tokens: each candidate's whole sequence (it keeps the KV of
@@ -428,7 +398,6 @@ class SchedulerActor(Actor):
             msg.request_ids.append(req.request_id)
             msg.offsets.append(len(msg.tokens))
             msg.counts.append(req.num_tokens)
-            msg.starts.append(0)
             msg.num_drafts.append(k)
             msg.tokens += req.token_ids
             self._drafted.add(req.request_id)

@@ -86,9 +86,12 @@ class SpecDecoding:
         decoding batch is past disable_by_batch_size."""
         if not self.active(running):
             return []
-        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        return self.pick([r for r in running if r.num_tokens - r.num_computed_tokens == 1])
+
+    def pick(self, reqs: list[Request]) -> list[tuple[Request, int]]:
+        """Those of `reqs` that draft next (eligible, not paused), with their draft count."""
         out = []
-        for r in decoding:
+        for r in reqs:
             if r.spec is None:
                 r.spec = ReqSpec()
             if r.spec.pause:

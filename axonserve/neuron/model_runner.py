@@ -130,6 +130,12 @@ class ModelRunner:
         if self.images is not None and self.buckets is not None:
             raise ValueError("bucketing mode is not supported for multimodal models")
         self._frames: Sequence[Any] = ()  # the current plan's extra frames (multimodal inputs)
+        spec = config.speculative
+        self.eagle = None  # EAGLE drafts on rank 0, from the hidden states each step leaves here
+        if spec is not None and spec.method == "eagle" and rank == 0 and self.task == "generate":
+            from axonserve.spec.eagle import EagleProposer
+
+            self.eagle = EagleProposer.from_config(config)
         log.info(
             "runner.ready",
             rank=rank,
@@ -191,6 +197,8 @@ class ModelRunner:
     def _apply_diff(self, plan: StepPlan) -> list[RequestState]:
         for rid in plan.finished_request_ids:
             self.requests.pop(rid, None)
+            if self.eagle is not None:
+                self.eagle.drop(rid)
         scheduled: list[RequestState] = []
         for nr in plan.new:
             seed = nr.params.seed
@@ -287,26 +295,39 @@ class ModelRunner:
         kv = [export_kv(self.kv_caches, st.block_ids, self.block_size, st.num_prompt_tokens, st.request_id,
                         self.result_tensors) for st in first]  # P/D prefill: the prompt KV leaves
         result = self._sample(plan, samplers, logits, verify=verify, prompt_logprobs=prompt_lps, kv_exports=kv)
-        if plan.want_features and self.rank == 0:
-            self._features(result, work, starts, last_tok, hidden)
+        if plan.want_features and self.eagle is not None:
+            self._draft(plan, result, work, starts, last_tok, hidden)
         return result
 
-    def _features(self, result: StepResult, work: list[tuple[RequestState, int]], starts: dict[str, int],
-                  last_tok: dict[str, int], hidden: torch.Tensor) -> None:
-        """EAGLE: hidden states of the positions that became valid this step (a prompt chunk,
-        or the last known token plus the accepted drafts), as one [rows, H] float32 frame."""
-        rows: list[int] = []
+    def _draft(self, plan: StepPlan, result: StepResult, work: list[tuple[RequestState, int]],
+               starts: dict[str, int], last_tok: dict[str, int], hidden: torch.Tensor) -> None:
+        """EAGLE: extend each request's head KV over the positions that became valid this step
+        (a prompt chunk, or the last known token plus the accepted drafts) with their hidden
+        states and following tokens, and draft for plan.num_drafts. A failure costs only drafts."""
+        rids, cs, toks, feats, ks = [], [], [], [], []
         for st, n in work:
             c = starts[st.request_id]
             m = st.num_computed_tokens - c  # valid positions c..c+m-1
+            follow = st.token_ids[c + 1 : c + 1 + m]
+            if m <= 0 or len(follow) < m:
+                continue
             first = last_tok[st.request_id] - n + 1
-            rows.extend(range(first, first + m))
-            result.feature_request_ids.append(st.request_id)
-            result.feature_starts.append(c)
-            result.feature_counts.append(m)
-        feats = hidden[torch.tensor(rows)].float().contiguous()
-        self.result_tensors.append(feats)
-        result.features = tensor_ref(len(self.result_tensors), feats)
+            rids.append(st.request_id)
+            cs.append(c)
+            toks.append(follow)
+            feats.append(hidden[first : first + m])
+            ks.append(plan.num_drafts.get(st.request_id, 0))
+        try:
+            drafts = self.eagle.propose(rids, cs, toks, feats, ks)
+        except (ValueError, RuntimeError, IndexError) as e:
+            log.error("eagle.propose_failed", step_id=plan.step_id, error=repr(e))
+            for rid in rids:  # their head state may be half-updated
+                self.eagle.drop(rid)
+            return
+        for rid, d in zip(rids, drafts):
+            if d:
+                result.draft_request_ids.append(rid)
+                result.draft_token_ids.append(d)
 
     def _execute_pooling(self, plan: StepPlan, work: list[tuple[RequestState, int]]) -> StepResult:
         """Encoder step: each scheduled request is a whole prompt; one forward, one pooled

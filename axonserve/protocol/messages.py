@@ -308,7 +308,10 @@ class StepPlan(_Msg, tag=20):
     # speculative decoding: draft tokens to verify, by request id. They are the last
     # len(drafts) of the request's scheduled tokens (not yet in its known tokens).
     draft_token_ids: dict[str, list[int]] = {}
-    want_features: bool = False  # EAGLE: rank 0 returns the hidden states of verified positions
+    # EAGLE (run by worker rank 0 right after the forward): extend the draft head over the
+    # positions that become valid this step, then propose num_drafts[id] tokens for those requests
+    want_features: bool = False
+    num_drafts: dict[str, int] = {}
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -338,33 +341,25 @@ class StepResult(_Msg, tag=21):
     # speculative decoding: tokens per request in request_ids (accepted drafts + one sampled);
     # empty means one each
     num_sampled: list[int] = []
-    # plan.want_features: hidden states [sum(feature_counts), H] of the positions that became
-    # valid this step (prompt chunks, verified tokens), in feature_request_ids order, starting
-    # at each request's feature_starts position
-    feature_request_ids: list[str] = []
-    feature_starts: list[int] = []
-    feature_counts: list[int] = []
-    features: TensorRef | None = None
+    # EAGLE: drafts for the next step of the plan's num_drafts requests (a request may end first)
+    draft_request_ids: list[str] = []
+    draft_token_ids: list[list[int]] = []
     kv_exports: list[KVBlocks] = []  # P/D prefill: prompt KV of kv_export requests sampled this step
 
 
 class DraftRequest(_Msg, tag=22):
-    """Scheduler -> drafter (EAGLE), after each step: request i's `counts[i]` new valid
-    positions from `starts[i]`: their target hidden states (rows offsets[i].. of the
-    `features` frame) and the token following each position (tokens[offsets[i]..]);
-    `num_drafts[i]` wanted (0: only extend the head's KV). The drafter drops the state of
-    `finished_request_ids`."""
+    """Scheduler -> drafter (draft model), after each step: request i's whole known sequence
+    (tokens[offsets[i] : offsets[i] + counts[i]]) and `num_drafts[i]` wanted. The drafter
+    drops the state of `finished_request_ids`."""
 
     step_id: int
     request_ids: list[str] = []
-    starts: list[int] = []
     counts: list[int] = []
     offsets: list[int] = []
-    tokens: list[int] = []  # aligned with the frame's rows (rows of finished requests: 0)
+    tokens: list[int] = []
     num_drafts: list[int] = []
-    features: TensorRef | None = None
     finished_request_ids: list[str] = []
-    reply: bool = True  # False: no drafts wanted (only the head's KV grows), answer nothing
+    reply: bool = True  # False: no drafts wanted (only finished requests to drop), answer nothing
 
 
 class DraftResult(_Msg, tag=23):

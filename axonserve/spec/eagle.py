@@ -285,7 +285,8 @@ class DraftKV:
 @torch.inference_mode()
 def propose(head: EagleHead, kvs: list[DraftKV], starts: list[int], tokens: list[torch.Tensor],
             feats: list[torch.Tensor], k: int) -> list[list[int]]:
-    """k greedy draft tokens (target ids) per request, batched over requests.
+    """k greedy draft tokens (target ids) per request, batched over requests (k = 0: only
+    extend the KV).
 
     Request i: crop kvs[i] to starts[i], append its n_i new (feature, following token) pairs at
     positions starts[i]..starts[i]+n_i-1 (one padded catch-up pass for the batch), then k-1
@@ -296,7 +297,7 @@ def propose(head: EagleHead, kvs: list[DraftKV], starts: list[int], tokens: list
     b = len(kvs)
     if not (b == len(starts) == len(tokens) == len(feats)):
         raise ValueError("kvs, starts, tokens and feats must have one entry per request")
-    if k < 1 or b == 0:
+    if k < 0 or b == 0:
         return [[] for _ in range(b)]
     cfg, dt = head.config, head.fc.weight.dtype
     n = [int(t.shape[0]) for t in tokens]
@@ -307,7 +308,8 @@ def propose(head: EagleHead, kvs: list[DraftKV], starts: list[int], tokens: list
             raise ValueError(f"request {i}: needs n >= 1 tokens and as many features ({n[i]} vs {feats[i].shape[0]})")
         kv.crop(starts[i])
     nmax = max(n)
-    width = max(starts) + nmax + k - 1
+    extra = max(k - 1, 0)  # draft steps that feed a prediction back (k = 0: only the catch-up pass)
+    width = max(starts) + nmax + extra
     kbuf = torch.zeros(b, cfg.num_kv_heads, width, cfg.head_dim, dtype=dt)
     vbuf = torch.zeros_like(kbuf)
     for i, kv in enumerate(kvs):
@@ -334,15 +336,69 @@ def propose(head: EagleHead, kvs: list[DraftKV], starts: list[int], tokens: list
     out = step(head.inputs(fin, tok), pos)
     last = out[rows, n_t - 1]  # [B, H]: f̂ at each request's first speculative position
     cur = start_t + n_t - 1  # position of the last input
-    drafts = []
+    drafts = [torch.zeros(b, 0, dtype=torch.long)]
     for j in range(k):
         d = head.d2t[head.draft_logits(last).argmax(dim=-1)]
-        drafts.append(d)
+        drafts.append(d[:, None])
         if j == k - 1:
             break
         cur = cur + 1
         last = step(head.inputs(last[:, None], d[:, None]), cur[:, None])[:, 0]
-    end = (start_t + n_t + k - 1).tolist()  # positions written: through the last draft step's input
+    end = (start_t + n_t + extra).tolist()  # positions written: through the last draft step's input
     for i, kv in enumerate(kvs):
         kv.write(starts[i], kbuf[i, :, starts[i] : end[i]], vbuf[i, :, starts[i] : end[i]])
-    return torch.stack(drafts, dim=1).tolist()
+    return torch.cat(drafts, dim=1).tolist()
+
+
+def head_dir(model: str, served_name: str) -> str:
+    """The `model` of --speculative-config, or the head shipped (or trained) for the served model."""
+    if model:
+        if not os.path.isfile(os.path.join(model, CONFIG_NAME)):
+            raise ValueError(f"EAGLE head directory {model!r} holds no {CONFIG_NAME}")
+        return model
+    path = builtin_head_dir(served_name.removeprefix("HuggingFaceTB/"))
+    if path is None:
+        raise ValueError(f"no EAGLE head ships for {served_name!r}: pass \"model\": HEAD_DIR in --speculative-config "
+                         "(make one with `axonserve train-eagle`)")
+    return path
+
+
+class EagleProposer:
+    """The head plus one dense head-KV per request, held by worker rank 0: each step it reads the
+    target's hidden states where the forward left them (no copy to another process), extends
+    the requests' head KV over the positions that became valid, and drafts for those asked.
+
+    Positions served from the target's prefix cache (and steps above disable_by_batch_size,
+    which skip the head) leave gaps: filled with zero keys/values (slightly lower acceptance,
+    outputs unaffected: every draft is verified)."""
+
+    def __init__(self, path: str, target_dir: str):
+        self.head = EagleHead.from_pretrained(path, target_dir)
+        self.kvs: dict[str, DraftKV] = {}
+
+    @classmethod
+    def from_config(cls, config: Any) -> "EagleProposer":
+        spec = config.speculative
+        return cls(head_dir(spec.model, config.served_model_name or config.model), config.model)
+
+    def drop(self, rid: str) -> None:
+        self.kvs.pop(rid, None)
+
+    def propose(self, request_ids: list[str], starts: list[int], tokens: list[list[int]],
+                feats: list[torch.Tensor], num_drafts: list[int]) -> list[list[int]]:
+        """Request i's positions starts[i].. got features feats[i] [n_i, H] and were followed by
+        tokens[i] (n_i ids); returns num_drafts[i] drafts each (0: only the KV grows)."""
+        if not request_ids:
+            return []
+        kvs = []
+        for rid, start in zip(request_ids, starts):
+            kv = self.kvs.get(rid)
+            if kv is None:
+                kv = self.kvs[rid] = DraftKV.for_head(self.head)
+            if start > kv.length:  # a gap: prefix-cache hit, or steps that skipped the head
+                zeros = torch.zeros(kv.k.shape[0], start - kv.length, kv.k.shape[2], dtype=kv.k.dtype)
+                kv.write(kv.length, zeros, zeros)
+            kvs.append(kv)
+        drafts = propose(self.head, kvs, starts, [torch.tensor(t, dtype=torch.long) for t in tokens], feats,
+                         max(num_drafts))
+        return [d[:m] for d, m in zip(drafts, num_drafts)]

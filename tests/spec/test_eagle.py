@@ -74,11 +74,12 @@ def test_vocab_rows_are_the_targets(tiny_llama_dir):
     assert not torch.equal(head.lm_head, emb[head.d2t])
 
 
-@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("k", [0, 1, 4])
 def test_propose_matches_full_recompute(tiny_llama_dir, k):
     """Three requests with different context and catch-up lengths over three rounds (each round
     crops the previous round's speculative positions): drafts equal a from-scratch recompute, and
-    the cached K/V equal the full recompute's K/V at every cached position."""
+    the cached K/V equal the full recompute's K/V at every cached position (k = 0: the worker's
+    steps that only extend the head's KV)."""
     head = make_head(tiny_llama_dir)
     torch.manual_seed(1)
     lens = [40, 23, 31]
@@ -95,7 +96,7 @@ def test_propose_matches_full_recompute(tiny_llama_dir, k):
             done[i] += n
             want, f_all, t_all = reference_chain(head, feats[i][: done[i]], toks[i][: done[i]], k)
             assert got[i] == want, (i, got[i], want)
-            assert kvs[i].length == done[i] + k - 1  # valid positions + the k-1 speculative inputs
+            assert kvs[i].length == done[i] + max(k - 1, 0)  # valid positions + the k-1 speculative inputs
             with torch.no_grad():
                 _, kf, vf = head(f_all[None, : kvs[i].length], t_all[None, : kvs[i].length], return_kv=True)
             torch.testing.assert_close(kvs[i].k[:, : kvs[i].length], kf[0], atol=1e-5, rtol=1e-5)
@@ -129,3 +130,61 @@ def test_save_load_round_trip(tiny_llama_dir, tmp_path):
     lb = EagleHead.from_pretrained(str(tmp_path / "bf16"), tiny_llama_dir, dtype=torch.bfloat16)
     out = propose(lb, [DraftKV.for_head(lb)], [0], [t[0]], [f[0]], 3)
     assert len(out[0]) == 3 and all(0 <= x < 49152 for x in out[0])
+
+
+def test_worker_drafts_equal_a_recompute_from_the_targets_features(tmp_path, smollm2_dir):
+    """Worker rank 0's in-step EAGLE (ModelRunner + EagleProposer) on a 16-token model: chunked
+    prefill, then decode steps that verify the previous step's drafts (a 16-token vocabulary
+    makes some get accepted, some rejected). After every step the drafts must equal a
+    from-scratch recompute over transformers' features of the whole valid sequence: the rows,
+    positions and following tokens handed to the head line up, and rejected positions are
+    cropped from its KV."""
+    from transformers import AutoModelForCausalLM
+
+    from axonserve.config import EngineConfig, SpeculativeConfig
+    from axonserve.neuron.model_runner import ModelRunner
+    from axonserve.protocol.messages import CachedRequestData, NewRequestData, SamplingParams, StepPlan
+    from conftest import make_tiny_model
+
+    target = make_tiny_model(str(tmp_path / "target"), "LlamaForCausalLM", smollm2_dir, seed=5, vocab_size=16)
+    torch.manual_seed(0)
+    head_dir = str(tmp_path / "head")
+    EagleHead.from_target(target, torch.arange(16)).save_pretrained(head_dir)
+    head = EagleHead.from_pretrained(head_dir, target)
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    spec = SpeculativeConfig(method="eagle", model=head_dir, num_speculative_tokens=3)
+    runner = ModelRunner(EngineConfig(model=target, block_size=4, num_kv_blocks=32, threads=2, speculative=spec))
+
+    tokens = [int(t) for t in torch.randint(0, 16, (13,), generator=torch.Generator().manual_seed(2))]
+    computed, drafts, accepted, rejected = 0, [], 0, 0
+    params = SamplingParams(temperature=0.0)
+    for step in range(40):
+        n = min(5, len(tokens) - computed) + len(drafts)
+        ends = computed + n >= len(tokens)  # samples at the end of this step: drafts are asked for
+        blocks = list(range(-(-(computed + n) // 4)))
+        if step == 0:
+            plan_req = dict(new=[NewRequestData("r", list(tokens), len(tokens), blocks, 0, params)])
+        else:
+            plan_req = dict(cached=[CachedRequestData("r", blocks[len(have):])])
+        have = blocks
+        plan = StepPlan(step, num_scheduled_tokens=[n], draft_token_ids={"r": drafts} if drafts else {},
+                        want_features=True, num_drafts={"r": 3} if ends else {}, **plan_req)
+        res = runner.execute(plan)
+        assert res.error is None, res.error
+        got = res.sampled_token_ids
+        if drafts:
+            accepted += len(got) - 1
+            rejected += len(drafts) - (len(got) - 1)
+            computed += len(got)
+        else:
+            computed += n
+        tokens += got
+        drafts = dict(zip(res.draft_request_ids, res.draft_token_ids)).get("r", [])
+        if not ends:
+            assert drafts == []
+            continue
+        with torch.no_grad():
+            feats = hf(torch.tensor([tokens[:computed]]), output_hidden_states=True).hidden_states[-1][0]
+        want, _, _ = reference_chain(head, feats, torch.tensor(tokens[1 : computed + 1]), 3)
+        assert drafts == want, (step, drafts, want)
+    assert accepted > 0 and rejected > 0, (accepted, rejected)
