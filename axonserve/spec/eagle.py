@@ -372,14 +372,14 @@ class EagleProposer:
     which skip the head) leave gaps: filled with zero keys/values (slightly lower acceptance,
     outputs unaffected: every draft is verified)."""
 
-    def __init__(self, path: str, target_dir: str):
-        self.head = EagleHead.from_pretrained(path, target_dir)
+    def __init__(self, path: str, target_dir: str, dtype: torch.dtype = torch.float32):
+        self.head = EagleHead.from_pretrained(path, target_dir, dtype=dtype)
         self.kvs: dict[str, DraftKV] = {}
 
     @classmethod
-    def from_config(cls, config: Any) -> "EagleProposer":
+    def from_config(cls, config: Any, dtype: torch.dtype = torch.float32) -> "EagleProposer":
         spec = config.speculative
-        return cls(head_dir(spec.model, config.served_model_name or config.model), config.model)
+        return cls(head_dir(spec.model, config.served_model_name or config.model), config.model, dtype)
 
     def drop(self, rid: str) -> None:
         self.kvs.pop(rid, None)

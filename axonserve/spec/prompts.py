@@ -80,7 +80,7 @@ def _arithmetic(rng: random.Random, n: int) -> list[Prompt]:
 def training_prompts(seed: int = 0) -> list[Prompt]:
     """Every training prompt, shuffled deterministically (a budget cut keeps a varied prefix)."""
     rng = random.Random(seed)
-    ps = [Prompt(t.format(t=topic), True, "chat") for topic in TOPICS for t in rng.sample(CHAT_TEMPLATES, 4)]
+    ps = [Prompt(t.format(t=topic), True, "chat") for topic in TOPICS for t in CHAT_TEMPLATES]
     ps += [Prompt(f"Write a Python function that {task}.", True, "code") for task in CODE_TASKS]
     ps += [Prompt(f"Write a JavaScript function that {task}.", True, "code") for task in CODE_TASKS[:8]]
     ps += _arithmetic(rng, 40)

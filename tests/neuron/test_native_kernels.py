@@ -87,7 +87,7 @@ def test_rotary_and_cache_write(dtype, head_dim, t):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 24])
+@pytest.mark.parametrize("head_dim", [64, 128, 24])  # 3 query heads per KV head: one group of 4, groups of 2 + 1
 @pytest.mark.parametrize("long", [[], [(150, 0), (130, 20)]])
 @pytest.mark.parametrize("far", [[], [(1, 300), (1, 400)]])  # enough keys for the kernel to use threads
 def test_paged_attention_mixed_batch(dtype, head_dim, long, far, monkeypatch):

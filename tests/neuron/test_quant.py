@@ -61,15 +61,34 @@ def test_quantized_smollm2_stays_close(smollm2_dir, method, min_agree, max_kl):
 
 
 
-@pytest.mark.parametrize("rows", [1, 3, 32, 70])
-def test_bf16_weights_in_onednn_layout_give_the_same_products(rows):
+@pytest.mark.parametrize("rows", [1, 3, 4, 32, 70])
+@pytest.mark.parametrize("n", [208, 200])  # 200 rows: no skinny-matmul layout (not a multiple of 16)
+def test_bf16_packed_weights_give_the_same_products(rows, n, monkeypatch):
+    """oneDNN's layout: bit for bit F.linear. The skinny-matmul layout (up to GEMV_ROWS rows, when
+    the CPU has AVX512-BF16): the float32 product rounded once to bf16 (at most one bf16 ulp
+    from it), for every row count it takes."""
     from axonserve.neuron.layers.quant import PackedWeight, can_pack
+    from axonserve.neuron.ops import native
 
     if not can_pack(torch.bfloat16):
         pytest.skip("oneDNN is not available in this torch build")
     torch.manual_seed(1)
-    w, x = torch.randn(200, 96).bfloat16(), torch.randn(rows, 96).bfloat16()
-    assert torch.equal(PackedWeight(w).matmul(x), torch.nn.functional.linear(x, w))
+    w, x = torch.randn(n, 96).bfloat16(), torch.randn(rows, 96).bfloat16()
+    pw = PackedWeight(w)
+    k = native.kernels()
+    skinny = k is not None and k.has_bf16_gemv() and n % 16 == 0
+    assert (pw.gemv is not None) == skinny
+    got = pw.matmul(x)
+    if skinny and rows <= pw.GEMV_ROWS:
+        exact = x.float() @ w.float().T
+        ulp = exact.abs().clamp_min(1e-30).log2().floor().exp2() * 2**-7
+        assert ((got.float() - exact).abs() <= ulp * 0.5 + exact.abs() * 1e-5).all()  # the f32 sum rounded once
+        monkeypatch.setattr(PackedWeight, "GEMV_ROWS", 8)
+        for m in range(1, 9):  # every row count the kernel takes
+            xm = torch.randn(m, 96).bfloat16()
+            torch.testing.assert_close(pw.matmul(xm).float(), xm.float() @ w.float().T, atol=0.05, rtol=1e-2)
+    else:
+        assert torch.equal(got, torch.nn.functional.linear(x, w))
 
 
 def test_bf16_runner_packs_its_linears(smollm2_dir):

@@ -178,48 +178,70 @@ inline void key_offsets(const AttnArgs& a, int64_t r, int64_t h, std::vector<int
   }
 }
 
-// head_dim = 16 * ND with AVX-512: q, the V accumulators and a key row stay in registers
+// head_dim = 16 * ND with AVX-512. The G query heads of the KV head share each key/value load:
+// a block of 16 keys is widened to float32 once (in L1) and scored against every query head,
+// and each value row is widened once and accumulated into up to GC heads' outputs in registers
+// (bf16 widening otherwise costs as much as the FMAs, G times over).
 template <typename T, int ND>
 void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const T* kc, const T* vc, int64_t r, int64_t h,
                      std::vector<float>& scores, std::vector<int64_t>& off) {
 #ifdef AXON_AVX512
+  constexpr int D = 16 * ND, GC = ND >= 16 ? 1 : 16 / ND;  // GC * ND accumulators <= 16 registers
   const int64_t G = a.G, L = a.kvl[r];
   key_offsets(a, r, h, off);
-  scores.resize(G * L);
+  scores.resize(G * L + G * D);
+  float* qs = scores.data() + G * L;  // the G query rows, scaled, as float32
   for (int64_t g = 0; g < G; ++g) {
-    __m512 q[ND];
     const T* qg = qp + r * a.q_rs + (h * G + g) * a.q_hs;
-    for (int c = 0; c < ND; ++c) q[c] = _mm512_mul_ps(load16(qg + 16 * c), _mm512_set1_ps(a.scale));
-    float* sg = scores.data() + g * L;
-    int64_t t = 0;
-    for (; t + 16 <= L; t += 16) {  // 16 keys: products per key, then one transposed reduction
-      __m512 acc[16];
-      for (int i = 0; i < 16; ++i) {
-        const T* kp = kc + off[t + i];
-        acc[i] = _mm512_mul_ps(q[0], load16(kp));
-        for (int c = 1; c < ND; ++c) acc[i] = _mm512_fmadd_ps(q[c], load16(kp + 16 * c), acc[i]);
-      }
-      _mm512_storeu_ps(sg + t, reduce16x16(acc));
-    }
-    for (; t < L; ++t) {
-      const T* kp = kc + off[t];
-      __m512 acc = _mm512_mul_ps(q[0], load16(kp));
-      for (int c = 1; c < ND; ++c) acc = _mm512_fmadd_ps(q[c], load16(kp + 16 * c), acc);
-      sg[t] = _mm512_reduce_add_ps(acc);
-    }
-    softmax_inplace(sg, L);
+    for (int c = 0; c < ND; ++c)
+      _mm512_storeu_ps(qs + g * D + 16 * c, _mm512_mul_ps(load16(qg + 16 * c), _mm512_set1_ps(a.scale)));
   }
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 acc[ND];
-    for (int c = 0; c < ND; ++c) acc[c] = _mm512_setzero_ps();
-    const float* sg = scores.data() + g * L;
-    for (int64_t t = 0; t < L; ++t) {
-      const T* vp = vc + off[t];
-      const __m512 p = _mm512_set1_ps(sg[t]);
-      for (int c = 0; c < ND; ++c) acc[c] = _mm512_fmadd_ps(p, load16(vp + 16 * c), acc[c]);
+  alignas(64) float kb[16 * D];
+  for (int64_t t = 0; t < L; t += 16) {
+    const int64_t nk = std::min<int64_t>(16, L - t);
+    for (int64_t i = 0; i < nk; ++i)
+      for (int c = 0; c < ND; ++c) _mm512_store_ps(kb + i * D + 16 * c, load16(kc + off[t + i] + 16 * c));
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 q[ND];
+      for (int c = 0; c < ND; ++c) q[c] = _mm512_loadu_ps(qs + g * D + 16 * c);
+      float* sg = scores.data() + g * L;
+      if (nk == 16) {  // products per key, then one transposed reduction
+        __m512 acc[16];
+        for (int i = 0; i < 16; ++i) {
+          acc[i] = _mm512_mul_ps(q[0], _mm512_load_ps(kb + i * D));
+          for (int c = 1; c < ND; ++c) acc[i] = _mm512_fmadd_ps(q[c], _mm512_load_ps(kb + i * D + 16 * c), acc[i]);
+        }
+        _mm512_storeu_ps(sg + t, reduce16x16(acc));
+      } else {
+        for (int64_t i = 0; i < nk; ++i) {
+          __m512 acc = _mm512_mul_ps(q[0], _mm512_load_ps(kb + i * D));
+          for (int c = 1; c < ND; ++c) acc = _mm512_fmadd_ps(q[c], _mm512_load_ps(kb + i * D + 16 * c), acc);
+          sg[t + i] = _mm512_reduce_add_ps(acc);
+        }
+      }
     }
-    T* o = op + r * a.o_rs + (h * G + g) * a.o_hs;
-    for (int c = 0; c < ND; ++c) store16(o + 16 * c, acc[c]);
+  }
+  for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * L, L);
+  for (int64_t g0 = 0; g0 < G; g0 += GC) {
+    const int64_t gn = std::min<int64_t>(GC, G - g0);
+    __m512 acc[GC][ND];
+    for (int gi = 0; gi < GC; ++gi)
+      for (int c = 0; c < ND; ++c) acc[gi][c] = _mm512_setzero_ps();
+    const float* s0 = scores.data() + g0 * L;
+    for (int64_t t = 0; t < L; ++t) {
+      __m512 v[ND];
+      const T* vp = vc + off[t];
+      for (int c = 0; c < ND; ++c) v[c] = load16(vp + 16 * c);
+      for (int gi = 0; gi < GC; ++gi) {
+        if (gi >= gn) break;
+        const __m512 p = _mm512_set1_ps(s0[gi * L + t]);
+        for (int c = 0; c < ND; ++c) acc[gi][c] = _mm512_fmadd_ps(p, v[c], acc[gi][c]);
+      }
+    }
+    for (int64_t gi = 0; gi < gn; ++gi) {
+      T* o = op + r * a.o_rs + (h * G + g0 + gi) * a.o_hs;
+      for (int c = 0; c < ND; ++c) store16(o + 16 * c, acc[gi][c]);
+    }
   }
 #endif
 }
@@ -467,6 +489,95 @@ at::Tensor argmax_rows(at::Tensor x) {
   return out;
 }
 
+// ------------------------------------------------------------------ skinny bf16 matmul
+// out[M, N] = x[M, K] @ W^T for a few rows (M <= GEMV_MAX_ROWS): memory-bound, so the weight is
+// streamed once in a layout made for AVX512-BF16's pair dot product, wp [N/16, K/2, 16, 2]
+// (16 output columns x one K pair per 64-byte vector), float32 accumulation, one rounding to bf16.
+// oneDNN's AMX kernel reads bf16 weights at ~15 GB/s at M = 1 on this machine (tiles made for 16+
+// rows); this loop streams them near the memory limit.
+constexpr int64_t GEMV_MAX_ROWS = 8;
+
+#if defined(AXON_AVX512) && defined(__AVX512BF16__)
+template <int MR>
+void gemv_block(const bf16* xp, int64_t xs, const bf16* wb, bf16* op, int64_t os, int64_t K2) {
+  constexpr int C = MR <= 2 ? 4 : 2;  // independent accumulators per row: hide the dot-product latency
+  __m512 acc[MR][C];
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_ps();
+  const int32_t* xr[MR];
+  for (int m = 0; m < MR; ++m) xr[m] = reinterpret_cast<const int32_t*>(xp + m * xs);
+  int64_t p = 0;
+  for (; p + C <= K2; p += C) {
+    for (int c = 0; c < C; ++c) {
+      const __m512bh w = (__m512bh)_mm512_loadu_si512(wb + (p + c) * 32);
+      for (int m = 0; m < MR; ++m)
+        acc[m][c] = _mm512_dpbf16_ps(acc[m][c], (__m512bh)_mm512_set1_epi32(xr[m][p + c]), w);
+    }
+  }
+  for (; p < K2; ++p) {
+    const __m512bh w = (__m512bh)_mm512_loadu_si512(wb + p * 32);
+    for (int m = 0; m < MR; ++m) acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)_mm512_set1_epi32(xr[m][p]), w);
+  }
+  for (int m = 0; m < MR; ++m) {
+    __m512 s = acc[m][0];
+    for (int c = 1; c < C; ++c) s = _mm512_add_ps(s, acc[m][c]);
+    store16(op + m * os, s);
+  }
+}
+
+template <int MR>
+void gemv_rows(const at::Tensor& x, const at::Tensor& wp, at::Tensor& out) {
+  const int64_t NB = wp.size(0), K2 = wp.size(1);
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* w = wp.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  // ~16k weight pairs per task: a small matrix stays on the calling thread
+  at::parallel_for(0, NB, std::max<int64_t>(1, 16384 / (K2 * 16)), [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) gemv_block<MR>(xp, xs, w + nb * K2 * 32, op + nb * 16, os, K2);
+  });
+}
+#endif
+
+bool has_bf16_gemv() {
+#if defined(AXON_AVX512) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// W [N, K] bf16 -> [N/16, K/2, 16, 2]
+at::Tensor pack_gemv_weight(at::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "weight: [N, K] bfloat16");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % 16 == 0 && K % 2 == 0, "N must be a multiple of 16 and K even");
+  return w.reshape({N / 16, 16, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+at::Tensor gemv_bf16(at::Tensor x, at::Tensor wp) {
+  TORCH_CHECK(has_bf16_gemv(), "gemv_bf16 needs AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16, "x: [M, K] bfloat16, rows dense");
+  TORCH_CHECK(wp.dim() == 4 && wp.is_contiguous() && wp.size(2) == 16 && wp.size(3) == 2, "wp: pack_gemv_weight's");
+  TORCH_CHECK(x.size(1) == 2 * wp.size(1), "x has ", x.size(1), " columns, the weight ", 2 * wp.size(1));
+  const int64_t M = x.size(0);
+  TORCH_CHECK(M >= 1 && M <= GEMV_MAX_ROWS, "gemv_bf16 takes 1..", GEMV_MAX_ROWS, " rows");
+  at::Tensor out = at::empty({M, wp.size(0) * 16}, x.options());
+#if defined(AXON_AVX512) && defined(__AVX512BF16__)
+  switch (M) {
+    case 1: gemv_rows<1>(x, wp, out); break;
+    case 2: gemv_rows<2>(x, wp, out); break;
+    case 3: gemv_rows<3>(x, wp, out); break;
+    case 4: gemv_rows<4>(x, wp, out); break;
+    case 5: gemv_rows<5>(x, wp, out); break;
+    case 6: gemv_rows<6>(x, wp, out); break;
+    case 7: gemv_rows<7>(x, wp, out); break;
+    default: gemv_rows<8>(x, wp, out); break;
+  }
+#endif
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -475,4 +586,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "(residual add +) RMSNorm");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax, first index of a tie");
+  m.def("has_bf16_gemv", &has_bf16_gemv, "gemv_bf16 is compiled in (AVX512-BF16)");
+  m.def("pack_gemv_weight", &pack_gemv_weight, "bf16 [N, K] weight into gemv_bf16's layout");
+  m.def("gemv_bf16", &gemv_bf16, "x @ W^T for 1..8 bf16 rows against a packed weight");
+  m.attr("GEMV_MAX_ROWS") = GEMV_MAX_ROWS;
 }
