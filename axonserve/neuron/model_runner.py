@@ -135,7 +135,7 @@ class ModelRunner:
         if spec is not None and spec.method == "eagle" and rank == 0 and self.task == "generate":
             from axonserve.spec.eagle import EagleProposer
 
-            self.eagle = EagleProposer.from_config(config)
+            self.eagle = EagleProposer.from_config(config, self.dtype)  # bf16: packed, as the target
         log.info(
             "runner.ready",
             rank=rank,

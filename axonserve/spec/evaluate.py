@@ -61,7 +61,7 @@ def draft_step_latency(head: EagleHead, full_lm_head: torch.Tensor, vocab_sizes:
     try:
         for n in vocab_sizes:
             head.d2t = torch.arange(n)
-            head.lm_head = full_lm_head[:n].to(head.fc.weight.dtype).contiguous()
+            head.lm_head = full_lm_head[:n].to(head.dtype).contiguous()
             for b in batches:
                 kvs = [DraftKV.for_head(head, capacity=context + 8) for _ in range(b)]
                 propose(head, kvs, [0] * b, [torch.randint(0, n, (context,))] * b, [torch.randn(context, h)] * b, 1)

@@ -130,6 +130,18 @@ def test_save_load_round_trip(tiny_llama_dir, tmp_path):
     lb = EagleHead.from_pretrained(str(tmp_path / "bf16"), tiny_llama_dir, dtype=torch.bfloat16)
     out = propose(lb, [DraftKV.for_head(lb)], [0], [t[0]], [f[0]], 3)
     assert len(out[0]) == 3 and all(0 <= x < 49152 for x in out[0])
+    # packed for serving (what worker rank 0 runs in bf16): the same head within bf16 rounding
+    packed = EagleHead.from_pretrained(str(tmp_path / "bf16"), tiny_llama_dir, dtype=torch.bfloat16).pack()
+    from axonserve.neuron.layers.quant import can_pack
+    from axonserve.spec.eagle import PackedLinear
+
+    assert isinstance(packed.layer.gate_proj, PackedLinear) == can_pack(torch.bfloat16)
+    with torch.no_grad():
+        for rows in (1, 7):  # the skinny-matmul path and oneDNN's
+            y, yp = lb(f[:, :rows].bfloat16(), t[:, :rows]), packed(f[:, :rows].bfloat16(), t[:, :rows])
+            torch.testing.assert_close(yp.float(), y.float(), atol=0.05, rtol=0.05)
+            torch.testing.assert_close(packed.draft_logits(yp).float(), lb.draft_logits(yp).float(),
+                                       atol=0.05, rtol=0.05)
 
 
 def test_worker_drafts_equal_a_recompute_from_the_targets_features(tmp_path, smollm2_dir):
