@@ -61,12 +61,12 @@ def test_quantized_smollm2_stays_close(smollm2_dir, method, min_agree, max_kl):
 
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 32, 70])
+@pytest.mark.parametrize("rows", [1, 3, 4, 17, 32, 33, 70])
 @pytest.mark.parametrize("n", [208, 200])  # 200 rows: no skinny-matmul layout (not a multiple of 16)
-def test_bf16_packed_weights_give_the_same_products(rows, n, monkeypatch):
-    """oneDNN's layout: bit for bit F.linear. The skinny-matmul layout (up to GEMV_ROWS rows, when
-    the CPU has AVX512-BF16): the float32 product rounded once to bf16 (at most one bf16 ulp
-    from it), for every row count it takes."""
+def test_bf16_packed_weights_give_the_same_products(rows, n):
+    """oneDNN's layout: bit for bit F.linear. The skinny layout (up to skinny_rows rows, when the
+    CPU has AVX512-BF16; 32 with AMX): the float32 product rounded once to bf16 (at most half a
+    bf16 ulp from the exact product), through AMX tiles and through the dot-product loop."""
     from axonserve.neuron.layers.quant import PackedWeight, can_pack
     from axonserve.neuron.ops import native
 
@@ -77,18 +77,39 @@ def test_bf16_packed_weights_give_the_same_products(rows, n, monkeypatch):
     pw = PackedWeight(w)
     k = native.kernels()
     skinny = k is not None and k.has_bf16_gemv() and n % 16 == 0
-    assert (pw.gemv is not None) == skinny
-    got = pw.matmul(x)
-    if skinny and rows <= pw.GEMV_ROWS:
-        exact = x.float() @ w.float().T
+    assert (pw.skinny is not None) == skinny
+
+    def rounded_once(got, x):
+        exact = x.double() @ w.double().T
         ulp = exact.abs().clamp_min(1e-30).log2().floor().exp2() * 2**-7
-        assert ((got.float() - exact).abs() <= ulp * 0.5 + exact.abs() * 1e-5).all()  # the f32 sum rounded once
-        monkeypatch.setattr(PackedWeight, "GEMV_ROWS", 8)
-        for m in range(1, 9):  # every row count the kernel takes
-            xm = torch.randn(m, 96).bfloat16()
-            torch.testing.assert_close(pw.matmul(xm).float(), xm.float() @ w.float().T, atol=0.05, rtol=1e-2)
+        return ((got.double() - exact).abs() <= ulp * 0.5 + exact.abs() * 1e-5).all()
+
+    got = pw.matmul(x)
+    if skinny and rows <= pw.skinny_rows:
+        assert rounded_once(got, x)
+        if rows <= 8:  # the dot-product loop takes 1..8 rows whichever kernel serves them here
+            assert rounded_once(k.gemv_bf16(x, pw.skinny), x)
     else:
         assert torch.equal(got, torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.parametrize("k", [64, 72])  # 72: not whole AMX tiles (32 K values), the loop alone
+def test_skinny_matmul_takes_every_row_count(k):
+    """Each row count has its own tile configuration (AMX: 1..16 one row tile, 17..32 two) or
+    register blocking (the dot-product loop): all of them, against the float64 product."""
+    from axonserve.neuron.layers.quant import PackedWeight, can_pack
+
+    pw = PackedWeight(torch.randn(80, k).bfloat16()) if can_pack(torch.bfloat16) else None
+    if pw is None or pw.skinny is None:
+        pytest.skip("no skinny-matmul kernel on this CPU")
+    w = pw.skinny.permute(0, 2, 1, 3).reshape(80, k).double()  # [N/16, K/2, 16, 2] back to [N, K]
+    for m in range(1, max(pw.skinny_rows, 8) + 1):
+        xm = torch.randn(m, k).bfloat16()
+        if m <= pw.skinny_rows:
+            torch.testing.assert_close(pw.matmul(xm).double(), xm.double() @ w.T, atol=0.05, rtol=1e-2)
+        if m <= 8:
+            torch.testing.assert_close(pw.kernels.gemv_bf16(xm, pw.skinny).double(), xm.double() @ w.T,
+                                       atol=0.05, rtol=1e-2)
 
 
 def test_bf16_runner_packs_its_linears(smollm2_dir):

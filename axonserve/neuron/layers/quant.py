@@ -65,31 +65,32 @@ class PackedWeight:
     does): a plain bf16 gemm re-packs the weight on every call, which on this machine made a
     batch-32 SmolLM2 step's matmuls 23 ms instead of 16 (same products, bit for bit).
 
-    With AVX512-BF16 a second copy in the native skinny-matmul layout serves calls of up to
-    GEMV_ROWS rows (single-stream decode, a verification): oneDNN's AMX kernel is built for
-    16+ rows and streams the weight at about half the memory bandwidth there. Those products
+    With AVX512-BF16 a second copy in the native skinny layout serves calls of up to
+    `skinny_rows` rows (32 with AMX: a decode batch, a verification; 8 with AVX512-BF16 only):
+    oneDNN's brgemm streams the weight at about half the memory bandwidth at those sizes, the
+    native kernels near it; above that (prefill) oneDNN's blocking wins. Those products
     accumulate in float32 in another order (bf16 results within one rounding of oneDNN's).
     The copy doubles the weights' memory; AXONSERVE_GEMV=0 leaves it out."""
 
     method = "packed"
-    GEMV_ROWS = 3  # measured: at 4 rows oneDNN is as fast (faster on the LM head)
 
     def __init__(self, w: torch.Tensor):
         self.shape = tuple(w.shape)
         self.data = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 32)  # hint: a typical batch
         self.nbytes = w.numel() * w.element_size()
-        self.kernels = _gemv_kernels(w)
-        self.gemv = self.kernels.pack_gemv_weight(w.contiguous()) if self.kernels is not None else None
-        if self.gemv is not None:
+        self.kernels = _skinny_kernels(w)
+        self.skinny = self.kernels.pack_gemv_weight(w.contiguous()) if self.kernels is not None else None
+        self.skinny_rows = self.kernels.skinny_rows(self.skinny) if self.skinny is not None else 0
+        if self.skinny is not None:
             self.nbytes *= 2
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and x.shape[0] <= self.GEMV_ROWS and x.dim() == 2 and x.stride(-1) == 1:
-            return self.kernels.gemv_bf16(x, self.gemv)
+        if x.shape[0] <= self.skinny_rows and x.dim() == 2 and x.stride(-1) == 1:
+            return self.kernels.skinny_bf16(x, self.skinny)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.data, None, "none", [], "")
 
 
-def _gemv_kernels(w: torch.Tensor):
+def _skinny_kernels(w: torch.Tensor):
     """The native module when it can take `w` in the skinny-matmul layout, else None."""
     from axonserve.neuron.ops import native
 

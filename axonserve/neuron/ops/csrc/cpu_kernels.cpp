@@ -14,6 +14,11 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define AXON_AVX512 1
@@ -547,6 +552,124 @@ bool has_bf16_gemv() {
 #endif
 }
 
+// ------------------------------------------------------------------ AMX tiles for 2..32 rows
+// The same packed weight read by AMX's tile multiply: a B tile is 16 consecutive K pairs of one
+// 16-column block (16 rows x 64 bytes, contiguous in the layout), an A tile up to 16 rows x 32 K
+// values of x, the accumulator tile [rows x 16] float32. Weights are streamed once; a batch of up
+// to 32 rows costs about what one row does (oneDNN's brgemm reads them at about half that rate at
+// these sizes on this machine). Above 32 rows (prefill) oneDNN's blocking wins and keeps them.
+constexpr int64_t AMX_MAX_ROWS = 32;
+
+#if defined(AXON_AVX512) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
+    defined(__linux__)
+#define AXON_AMX 1
+struct TileConfig {  // ldtilecfg's 64-byte layout (palette 1)
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands out the AMX register state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA), once per process; without it the first tile instruction raises SIGILL.
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+inline void store_tile_rows(int tile, float* buf, bf16* op, int64_t os, int64_t rows) {
+  switch (tile) {  // tile numbers are immediates
+    case 0: _tile_stored(0, buf, 64); break;
+    case 1: _tile_stored(1, buf, 64); break;
+    case 2: _tile_stored(2, buf, 64); break;
+    default: _tile_stored(3, buf, 64); break;
+  }
+  for (int64_t m = 0; m < rows; ++m) store16(op + m * os, _mm512_load_ps(buf + m * 16));
+}
+
+// M <= 16: accumulators 0..3 = four column blocks, A = tile 4, B = tiles 5..7.
+void amx_rows16(const bf16* xp, int64_t xs, const bf16* w, int64_t K2, int64_t M, bf16* op, int64_t os,
+                int64_t nb0, int64_t nb1) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) { cfg.rows[t] = t < 5 ? M : 16; cfg.colsb[t] = 64; }
+  _tile_loadconfig(&cfg);
+  alignas(64) float buf[16 * 16];
+  const int64_t bs = K2 * 32;  // elements from one column block to the next
+  for (int64_t nb = nb0; nb < nb1; nb += 4) {
+    const int64_t n = std::min<int64_t>(4, nb1 - nb);
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t kc = 0; kc < K2 / 16; ++kc) {
+      const bf16* wk = w + nb * bs + kc * 512;
+      _tile_loadd(4, xp + kc * 32, xs * 2);
+      _tile_loadd(5, wk, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      if (n > 1) { _tile_loadd(6, wk + bs, 64); _tile_dpbf16ps(1, 4, 6); }
+      if (n > 2) { _tile_loadd(7, wk + 2 * bs, 64); _tile_dpbf16ps(2, 4, 7); }
+      if (n > 3) { _tile_loadd(5, wk + 3 * bs, 64); _tile_dpbf16ps(3, 4, 5); }
+    }
+    for (int j = 0; j < n; ++j) store_tile_rows(j, buf, op + (nb + j) * 16, os, M);
+  }
+  _tile_release();
+}
+
+// 16 < M <= 32: two row tiles (A = tiles 4, 5) times two column blocks (B = tiles 6, 7);
+// accumulators 0, 1 = rows 0..15 and 2, 3 = rows 16..M-1 of blocks nb, nb + 1.
+void amx_rows32(const bf16* xp, int64_t xs, const bf16* w, int64_t K2, int64_t M, bf16* op, int64_t os,
+                int64_t nb0, int64_t nb1) {
+  const int64_t M1 = M - 16;
+  TileConfig cfg;
+  const uint8_t rows[8] = {16, 16, uint8_t(M1), uint8_t(M1), 16, uint8_t(M1), 16, 16};
+  for (int t = 0; t < 8; ++t) { cfg.rows[t] = rows[t]; cfg.colsb[t] = 64; }
+  _tile_loadconfig(&cfg);
+  alignas(64) float buf[16 * 16];
+  const int64_t bs = K2 * 32;
+  const bf16* xp1 = xp + 16 * xs;
+  for (int64_t nb = nb0; nb < nb1; nb += 2) {
+    const bool two = nb + 1 < nb1;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t kc = 0; kc < K2 / 16; ++kc) {
+      const bf16* wk = w + nb * bs + kc * 512;
+      _tile_loadd(4, xp + kc * 32, xs * 2);
+      _tile_loadd(5, xp1 + kc * 32, xs * 2);
+      _tile_loadd(6, wk, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(2, 5, 6);
+      if (two) { _tile_loadd(7, wk + bs, 64); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(3, 5, 7); }
+    }
+    for (int j = 0; j < (two ? 2 : 1); ++j) {
+      store_tile_rows(j, buf, op + (nb + j) * 16, os, 16);
+      store_tile_rows(2 + j, buf, op + 16 * os + (nb + j) * 16, os, M1);
+    }
+  }
+  _tile_release();
+}
+
+void amx_matmul(const at::Tensor& x, const at::Tensor& wp, at::Tensor& out) {
+  const int64_t M = x.size(0), NB = wp.size(0), K2 = wp.size(1);
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* w = wp.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  const int64_t group = M <= 16 ? 4 : 2;  // column blocks per tile pass
+  const int64_t groups = (NB + group - 1) / group;
+  // ~16k weight pairs per task, as gemv_rows: a small matrix stays on the calling thread
+  at::parallel_for(0, groups, std::max<int64_t>(1, 16384 / (K2 * 16 * group)), [&](int64_t b, int64_t e) {
+    const int64_t nb0 = b * group, nb1 = std::min(NB, e * group);
+    if (M <= 16) amx_rows16(xp, xs, w, K2, M, op, os, nb0, nb1);
+    else amx_rows32(xp, xs, w, K2, M, op, os, nb0, nb1);
+  });
+}
+#endif
+
+bool amx_fits(const at::Tensor& wp) {
+#ifdef AXON_AMX
+  return wp.size(1) % 16 == 0 && amx_permitted();
+#else
+  (void)wp;
+  return false;
+#endif
+}
+
 // W [N, K] bf16 -> [N/16, K/2, 16, 2]
 at::Tensor pack_gemv_weight(at::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "weight: [N, K] bfloat16");
@@ -555,11 +678,15 @@ at::Tensor pack_gemv_weight(at::Tensor w) {
   return w.reshape({N / 16, 16, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-at::Tensor gemv_bf16(at::Tensor x, at::Tensor wp) {
-  TORCH_CHECK(has_bf16_gemv(), "gemv_bf16 needs AVX512-BF16");
+void check_skinny_args(const at::Tensor& x, const at::Tensor& wp) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16, "x: [M, K] bfloat16, rows dense");
   TORCH_CHECK(wp.dim() == 4 && wp.is_contiguous() && wp.size(2) == 16 && wp.size(3) == 2, "wp: pack_gemv_weight's");
   TORCH_CHECK(x.size(1) == 2 * wp.size(1), "x has ", x.size(1), " columns, the weight ", 2 * wp.size(1));
+}
+
+at::Tensor gemv_bf16(at::Tensor x, at::Tensor wp) {
+  TORCH_CHECK(has_bf16_gemv(), "gemv_bf16 needs AVX512-BF16");
+  check_skinny_args(x, wp);
   const int64_t M = x.size(0);
   TORCH_CHECK(M >= 1 && M <= GEMV_MAX_ROWS, "gemv_bf16 takes 1..", GEMV_MAX_ROWS, " rows");
   at::Tensor out = at::empty({M, wp.size(0) * 16}, x.options());
@@ -578,6 +705,28 @@ at::Tensor gemv_bf16(at::Tensor x, at::Tensor wp) {
   return out;
 }
 
+// The most rows skinny_bf16 should take for this packed weight: 32 with AMX (K a multiple of 32);
+// with AVX512-BF16 only 3 (measured: from 4 rows on oneDNN is as fast); 0 without either.
+constexpr int64_t GEMV_FAST_ROWS = 3;
+int64_t skinny_rows(at::Tensor wp) {
+  if (!has_bf16_gemv()) return 0;
+  return amx_fits(wp) ? AMX_MAX_ROWS : GEMV_FAST_ROWS;
+}
+
+// x @ W^T for 1..skinny_rows(wp) rows: one row through the dot-product loop (at the memory limit,
+// and it skips the tile setup), more through AMX tiles when the CPU has them.
+at::Tensor skinny_bf16(at::Tensor x, at::Tensor wp) {
+  const int64_t M = x.size(0);
+  if (M <= 1 || !amx_fits(wp)) return gemv_bf16(x, wp);
+  check_skinny_args(x, wp);
+  TORCH_CHECK(M <= AMX_MAX_ROWS, "skinny_bf16 takes 1..", AMX_MAX_ROWS, " rows");
+  at::Tensor out = at::empty({M, wp.size(0) * 16}, x.options());
+#ifdef AXON_AMX
+  amx_matmul(x, wp, out);
+#endif
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -588,6 +737,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "row-wise argmax, first index of a tie");
   m.def("has_bf16_gemv", &has_bf16_gemv, "gemv_bf16 is compiled in (AVX512-BF16)");
   m.def("pack_gemv_weight", &pack_gemv_weight, "bf16 [N, K] weight into gemv_bf16's layout");
-  m.def("gemv_bf16", &gemv_bf16, "x @ W^T for 1..8 bf16 rows against a packed weight");
+  m.def("gemv_bf16", &gemv_bf16, "x @ W^T for 1..8 bf16 rows against a packed weight (dot-product loop)");
+  m.def("skinny_rows", &skinny_rows, "the most rows skinny_bf16 takes for this packed weight");
+  m.def("skinny_bf16", &skinny_bf16, "x @ W^T for 1..skinny_rows rows: gemv for one, AMX tiles for more");
   m.attr("GEMV_MAX_ROWS") = GEMV_MAX_ROWS;
 }
