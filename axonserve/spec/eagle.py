@@ -27,8 +27,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from axonserve.neuron.config import ModelConfig
+from axonserve.neuron.layers.norm import rms_norm
 from axonserve.neuron.layers.rotary import RotaryEmbedding, apply_rotary
 from axonserve.neuron.loader import safetensors_files
+from axonserve.neuron.ops import native
 
 log = structlog.get_logger()
 
@@ -132,16 +134,34 @@ class EagleLayer(nn.Module):
         self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
 
+        # pack(): fused projections + the serving path's native kernels (inference only)
+        self.packed_qkv: PackedLinear | None = None
+        self.packed_gate_up: PackedLinear | None = None
+
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.packed_qkv is not None:  # the native fused kernel over [rows, H]
+            return rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), w.detach(), self.eps).view(x.shape)
         return w * F.rms_norm(x.float(), w.shape, None, self.eps).to(x.dtype)
+
+    def pack(self) -> None:
+        """q/k/v and gate/up as one packed matmul each: a draft step is a handful of 1-4 row calls."""
+        self.packed_qkv = PackedLinear(torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)))
+        self.packed_gate_up = PackedLinear(torch.cat((self.gate_proj.weight, self.up_proj.weight)))
+        self.o_proj = PackedLinear(self.o_proj.weight)
+        self.down_proj = PackedLinear(self.down_proj.weight)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, T, H] -> q [B, Hq, T, D], k/v [B, Hkv, T, D] with RoPE applied (cos/sin [B, T, 1, D])."""
         b, t, _ = x.shape
         hx = self._norm(x, self.input_layernorm)
-        q = apply_rotary(self.q_proj(hx).view(b, t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(hx).view(b, t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(hx).view(b, t, self.num_kv_heads, self.head_dim)
+        hq, hkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.packed_qkv is not None:
+            q, k, v = self.packed_qkv(hx).split((hq, hkv, hkv), dim=-1)
+        else:
+            q, k, v = self.q_proj(hx), self.k_proj(hx), self.v_proj(hx)
+        q = apply_rotary(q.view(b, t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(b, t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def finish(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -150,6 +170,14 @@ class EagleLayer(nn.Module):
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         x = x + self.o_proj(o.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
         hx = self._norm(x, self.post_attention_layernorm)
+        if self.packed_gate_up is not None:
+            gate_up = self.packed_gate_up(hx)
+            k = native.for_dtype(gate_up.dtype)
+            if k is not None:
+                flat = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
+                return x + self.down_proj(k.silu_and_mul(flat).view(*x.shape[:-1], -1))
+            gate, up = gate_up.chunk(2, dim=-1)
+            return x + self.down_proj(F.silu(gate) * up)
         return x + self.down_proj(F.silu(self.gate_proj(hx)) * self.up_proj(hx))
 
 
@@ -251,6 +279,12 @@ class EagleHead(nn.Module):
             return self.packed_lm_head(feats)
         return feats @ self.lm_head.T
 
+    def draft_argmax(self, feats: torch.Tensor) -> torch.Tensor:
+        """[B] greedy draft-vocabulary ids for feats [B, H] (the native row argmax when built)."""
+        logits = self.draft_logits(feats)
+        k = native.for_dtype(logits.dtype)
+        return k.argmax_rows(logits) if k is not None and logits.stride(-1) == 1 else logits.argmax(dim=-1)
+
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
@@ -264,8 +298,7 @@ class EagleHead(nn.Module):
         if self.dtype != torch.bfloat16 or not can_pack(torch.bfloat16):
             return self
         self.fc = PackedLinear(self.fc.weight, self.fc.bias)
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
-            setattr(self.layer, name, PackedLinear(getattr(self.layer, name).weight))
+        self.layer.pack()
         self.packed_lm_head = PackedLinear(self.lm_head)
         return self
 
@@ -374,7 +407,7 @@ def propose(head: EagleHead, kvs: list[DraftKV], starts: list[int], tokens: list
     cur = start_t + n_t - 1  # position of the last input
     drafts = [torch.zeros(b, 0, dtype=torch.long)]
     for j in range(k):
-        d = head.d2t[head.draft_logits(last).argmax(dim=-1)]
+        d = head.d2t[head.draft_argmax(last)]
         drafts.append(d[:, None])
         if j == k - 1:
             break

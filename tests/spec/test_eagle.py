@@ -135,7 +135,7 @@ def test_save_load_round_trip(tiny_llama_dir, tmp_path):
     from axonserve.neuron.layers.quant import can_pack
     from axonserve.spec.eagle import PackedLinear
 
-    assert isinstance(packed.layer.gate_proj, PackedLinear) == can_pack(torch.bfloat16)
+    assert isinstance(packed.layer.packed_gate_up, PackedLinear) == can_pack(torch.bfloat16)
     with torch.no_grad():
         for rows in (1, 7):  # the skinny-matmul path and oneDNN's
             y, yp = lb(f[:, :rows].bfloat16(), t[:, :rows]), packed(f[:, :rows].bfloat16(), t[:, :rows])

@@ -18,15 +18,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """norm(x); with `residual`: residual += x in place (rounded to its dtype), then norm(residual)
-        -- one fused pass with the native kernels, which the decoder's residual adds use."""
-        k = native.for_dtype(x.dtype) if x.dim() == 2 and x.is_contiguous() else None
-        if k is not None:
-            out = torch.empty_like(x)
-            k.rms_norm(out, x, residual, self.weight, self.eps)
-            return out
-        if residual is not None:
-            x = residual.add_(x)
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """norm(x) * weight; with `residual`: residual += x in place (rounded to its dtype), then
+    norm(residual) -- one fused pass with the native kernels, which the decoder's residual adds use.
+    Not differentiable on the native path (inference only)."""
+    k = native.for_dtype(x.dtype) if x.dim() == 2 and x.is_contiguous() else None
+    if k is not None:
+        out = torch.empty_like(x)
+        k.rms_norm(out, x, residual, weight, eps)
+        return out
+    if residual is not None:
+        x = residual.add_(x)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
