@@ -170,6 +170,7 @@ def test_worker_drafts_equal_a_recompute_from_the_targets_features(tmp_path, smo
     tokens = [int(t) for t in torch.randint(0, 16, (13,), generator=torch.Generator().manual_seed(2))]
     computed, drafts, accepted, rejected = 0, [], 0, 0
     params = SamplingParams(temperature=0.0)
+    have: list[int] = []  # KV blocks the runner already holds for "r"
     for step in range(40):
         n = min(5, len(tokens) - computed) + len(drafts)
         ends = computed + n >= len(tokens)  # samples at the end of this step: drafts are asked for
