@@ -49,6 +49,7 @@ class WorkerActor(Actor):
             )
         self.runner = await self._load_in_own_thread()
         r = self.runner
+        r.warm_up()  # on this thread: the one whose heap arena and thread pool serve the steps
         self.profiler = None
         if self.config.profile_dir:
             from axonserve.neuron.profiler import RankProfiler, model_device_type
