@@ -291,7 +291,7 @@ class EagleHead(nn.Module):
 
     def pack(self) -> "EagleHead":
         """Inference in bf16: every matmul through the serving path's packed weights (layers/quant.py:
-        oneDNN's layout, and the skinny-matmul kernel for the 1-3 rows a draft step has), which
+        oneDNN's layout, and the native skinny kernels for the 1-4 rows a draft step has), which
         read the head's ~18 MB per draft step several times faster than plain bf16 F.linear."""
         from axonserve.neuron.layers.quant import can_pack
 
