@@ -34,6 +34,7 @@ from axonserve.neuron.parallel import (
     init_tensor_parallel,
     tp_broadcast_ids,
     tp_broadcast_ragged,
+    tp_min,
 )
 from axonserve.neuron.pooling import resolve_task
 from axonserve.neuron.sampler import Sampler
@@ -192,7 +193,8 @@ class ModelRunner:
             return 0.0
         seq = max(1, min(self.WARMUP_SEQ_LEN, self.max_model_len))
         per_seq = -(-seq // self.block_size)
-        count = min(self.config.max_num_batched_tokens // seq, self.num_kv_blocks // per_seq)
+        # every rank must run the same plan (its collectives pair up): the smallest rank's pool
+        count = min(self.config.max_num_batched_tokens // seq, tp_min(self.num_kv_blocks) // per_seq)
         if count < 1:
             return 0.0
         t0 = time.perf_counter()

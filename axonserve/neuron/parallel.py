@@ -117,6 +117,15 @@ def all_to_all_equal(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def tp_min(value: int) -> int:
+    """The smallest of every rank's value (ranks sized from their own free memory may differ)."""
+    if TPInfo.size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.long)
+    _collective("all_reduce", dist.all_reduce, t, dist.ReduceOp.MIN)  # op positionally: _collective has its own `op`
+    return int(t.item())
+
+
 def tp_broadcast_ids(ids: list[int]) -> list[int]:
     """Rank 0's sampled ids, so every rank appends the same tokens to its request state."""
     if TPInfo.size == 1:

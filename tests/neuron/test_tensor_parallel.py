@@ -13,8 +13,10 @@ from .conftest import MiniScheduler, make_runner
 PROMPTS = {"a": list(range(3, 16)), "b": [7], "c": list(range(100, 109))}
 
 
-def _generate(model_dir: str, **runner_kw) -> tuple[dict[str, list[int]], tuple[int, ...]]:
+def _generate(model_dir: str, warm: bool = False, **runner_kw) -> tuple[dict[str, list[int]], tuple[int, ...]]:
     runner = make_runner(model_dir, **runner_kw)
+    if warm:
+        runner.warm_up()
     sched = MiniScheduler(runner, chunk=5)
     for i, (rid, p) in enumerate(PROMPTS.items()):
         sched.add(rid, p, 6, at_step=i, params=SamplingParams(temperature=0.0))
@@ -24,7 +26,10 @@ def _generate(model_dir: str, **runner_kw) -> tuple[dict[str, list[int]], tuple[
 def _rank_main(rank: int, model_dir: str, port: int, out) -> None:
     import torch.distributed as dist
 
-    got, kv_shape = _generate(model_dir, num_workers=2, threads=1, rank=rank, dist_init=f"tcp://127.0.0.1:{port}")
+    # pools of different sizes (ranks size theirs from their own free memory): the start-up
+    # warm-up must still run one plan on both, or its collectives would not pair up
+    got, kv_shape = _generate(model_dir, warm=True, num_workers=2, threads=1, rank=rank,
+                              num_kv_blocks=256 - 56 * rank, dist_init=f"tcp://127.0.0.1:{port}")
     out.put((rank, (got, kv_shape)))
     dist.barrier()  # neither rank may leave while the other still talks to it (gloo aborts)
     dist.destroy_process_group()
