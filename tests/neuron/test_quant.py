@@ -103,6 +103,7 @@ def test_skinny_matmul_takes_every_row_count(k):
     if pw is None or pw.skinny is None:
         pytest.skip("no skinny-matmul kernel on this CPU")
     w = pw.skinny.permute(0, 2, 1, 3).reshape(80, k).double()  # [N/16, K/2, 16, 2] back to [N, K]
+    assert pw.matmul(torch.randn(0, k).bfloat16()).shape == (0, 80)  # an empty batch, not a crash
     for m in range(1, max(pw.skinny_rows, 8) + 1):
         xm = torch.randn(m, k).bfloat16()
         if m <= pw.skinny_rows:

@@ -718,8 +718,9 @@ int64_t skinny_rows(at::Tensor wp) {
 // 64-byte loads), else through the loop.
 at::Tensor skinny_bf16(at::Tensor x, at::Tensor wp) {
   const int64_t M = x.size(0);
-  if (!amx_fits(wp)) return gemv_bf16(x, wp);
   check_skinny_args(x, wp);
+  if (M == 0) return at::empty({0, wp.size(0) * 16}, x.options());  // a zero-row tile config is invalid
+  if (!amx_fits(wp)) return gemv_bf16(x, wp);
   TORCH_CHECK(M <= AMX_MAX_ROWS, "skinny_bf16 takes 1..", AMX_MAX_ROWS, " rows");
   at::Tensor out = at::empty({M, wp.size(0) * 16}, x.options());
 #ifdef AXON_AMX
