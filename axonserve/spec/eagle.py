@@ -27,10 +27,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from axonserve.neuron.config import ModelConfig
+from axonserve.neuron.layers.activation import silu_and_mul
 from axonserve.neuron.layers.norm import rms_norm
 from axonserve.neuron.layers.rotary import RotaryEmbedding, apply_rotary
 from axonserve.neuron.loader import safetensors_files
-from axonserve.neuron.ops import native
+from axonserve.neuron.sampler import greedy_ids
 
 log = structlog.get_logger()
 
@@ -171,13 +172,7 @@ class EagleLayer(nn.Module):
         x = x + self.o_proj(o.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
         hx = self._norm(x, self.post_attention_layernorm)
         if self.packed_gate_up is not None:
-            gate_up = self.packed_gate_up(hx)
-            k = native.for_dtype(gate_up.dtype)
-            if k is not None:
-                flat = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
-                return x + self.down_proj(k.silu_and_mul(flat).view(*x.shape[:-1], -1))
-            gate, up = gate_up.chunk(2, dim=-1)
-            return x + self.down_proj(F.silu(gate) * up)
+            return x + self.down_proj(silu_and_mul(self.packed_gate_up(hx)))
         return x + self.down_proj(F.silu(self.gate_proj(hx)) * self.up_proj(hx))
 
 
@@ -278,12 +273,6 @@ class EagleHead(nn.Module):
         if self.packed_lm_head is not None:
             return self.packed_lm_head(feats)
         return feats @ self.lm_head.T
-
-    def draft_argmax(self, feats: torch.Tensor) -> torch.Tensor:
-        """[B] greedy draft-vocabulary ids for feats [B, H] (the native row argmax when built)."""
-        logits = self.draft_logits(feats)
-        k = native.for_dtype(logits.dtype)
-        return k.argmax_rows(logits) if k is not None and logits.stride(-1) == 1 else logits.argmax(dim=-1)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -407,7 +396,7 @@ def propose(head: EagleHead, kvs: list[DraftKV], starts: list[int], tokens: list
     cur = start_t + n_t - 1  # position of the last input
     drafts = [torch.zeros(b, 0, dtype=torch.long)]
     for j in range(k):
-        d = head.d2t[head.draft_argmax(last)]
+        d = head.d2t[greedy_ids(head.draft_logits(last))]
         drafts.append(d[:, None])
         if j == k - 1:
             break

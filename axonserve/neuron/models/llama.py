@@ -14,7 +14,6 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from axonserve.neuron.config import ModelConfig
@@ -27,8 +26,8 @@ from axonserve.neuron.layers.linear import (
 )
 from axonserve.neuron.layers.moe import SparseMoeBlock
 from axonserve.neuron.layers.norm import RMSNorm
+from axonserve.neuron.layers.activation import silu_and_mul
 from axonserve.neuron.layers.rotary import RotaryEmbedding, apply_rotary
-from axonserve.neuron.ops import native
 from axonserve.neuron.ops.attention import AttentionMetadata, paged_attention
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -79,12 +78,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        k = native.for_dtype(gate_up.dtype) if gate_up.dim() == 2 and gate_up.is_contiguous() else None
-        if k is not None:
-            return self.down_proj(k.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
