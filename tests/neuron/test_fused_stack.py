@@ -1,0 +1,79 @@
+"""The native decoder stack (models/fused.py) gives bit-identical hidden states and KV caches to the
+Python modules, for every weight format it takes, over steps that mix decodes and short chunks;
+models with parts only the Python modules run (per-head norms, MoE) are left to them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model
+
+from axonserve.neuron.config import ModelConfig
+from axonserve.neuron.loader import load_model
+from axonserve.neuron.models import fused
+from axonserve.neuron.ops import native
+from axonserve.neuron.ops.attention import NATIVE_MAX_QUERY, AttentionMetadata
+
+pytestmark = pytest.mark.skipif(native.kernels() is None, reason="native kernels unavailable: torch path only")
+BS = 16
+# (query_lens, context_lens) per step over the same 4 sequences: prompts in short chunks, then
+# mixed steps (decodes first, then chunks), then decodes; the last step has a long chunk that
+# attention sends to SDPA, so the whole step stays on the Python path
+STEPS = [
+    ([40, 17, 5, 33], [0, 0, 0, 0]),
+    ([1, 1, 9, 30], [40, 17, 5, 33]),
+    ([1, 1, 1, 1], [41, 18, 14, 63]),
+    ([1, 1, 1, NATIVE_MAX_QUERY], [42, 19, 15, 64]),
+]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    return {arch: make_tiny_model(str(tmp_path_factory.mktemp(arch)), arch)
+            for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")}
+
+
+def _run(model, dtype, monkeypatch, on: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
+    """Hidden states of every step and the caches after them; whether the stack ran."""
+    monkeypatch.setenv("AXONSERVE_FUSED", "1" if on else "0")
+    cfg = model.config
+    caches = [(torch.zeros(64, BS, cfg.num_kv_heads, cfg.head_dim, dtype=dtype),
+               torch.zeros(64, BS, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)) for _ in range(cfg.num_layers)]
+    tables = [list(range(i * 16, (i + 1) * 16)) for i in range(4)]
+    gen = torch.Generator().manual_seed(0)
+    outs, used = [], False
+    model.model._stack = None
+    with torch.inference_mode():
+        for q, ctx in STEPS:
+            meta = AttentionMetadata.build(q, ctx, tables, BS, native=native.for_dtype(dtype))
+            ids = torch.randint(0, cfg.vocab_size, (sum(q),), generator=gen)
+            outs.append(model(ids, meta.positions, caches, meta))
+            used |= model.model._stack is not None and model.model._stack[1] is not None and fused.takes(meta, ids[:, None])
+    return outs, [t for kv in caches for t in kv], used
+
+
+@pytest.mark.parametrize("dtype,quantization,pack", [
+    (torch.float32, "", False),
+    (torch.bfloat16, "", False),  # dense bf16: one row through mv
+    (torch.bfloat16, "", True),  # oneDNN-packed, and the skinny (AMX / dot-product) copy where the CPU has one
+    (torch.bfloat16, "int8", False),
+    (torch.bfloat16, "int4", False),
+])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])  # Qwen2: q/k/v biases
+def test_stack_equals_the_python_modules(model_dirs, arch, dtype, quantization, pack, monkeypatch):
+    mc = ModelConfig.from_dir(model_dirs[arch])
+    model = load_model(mc, dtype, progress=False, quantization=quantization, pack=pack)
+    want, want_caches, used = _run(model, dtype, monkeypatch, on=False)
+    assert not used
+    got, got_caches, used = _run(model, dtype, monkeypatch, on=True)
+    assert used, "the native stack did not run"
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"step {step}: max diff {(a.float() - b.float()).abs().max()}"
+    assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM"])
+def test_models_with_python_only_parts_keep_the_modules(model_dirs, arch, monkeypatch):
+    model = load_model(ModelConfig.from_dir(model_dirs[arch]), torch.float32, progress=False)
+    _, _, used = _run(model, torch.float32, monkeypatch, on=True)
+    assert not used and model.model._stack is not None and model.model._stack[1] is None
