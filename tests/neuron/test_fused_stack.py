@@ -48,7 +48,8 @@ def _run(model, dtype, monkeypatch, on: bool) -> tuple[list[torch.Tensor], list[
             meta = AttentionMetadata.build(q, ctx, tables, BS, native=native.for_dtype(dtype))
             ids = torch.randint(0, cfg.vocab_size, (sum(q),), generator=gen)
             outs.append(model(ids, meta.positions, caches, meta))
-            used |= model.model._stack is not None and model.model._stack[1] is not None and fused.takes(meta, ids[:, None])
+            stack = model.model._stack
+            used |= stack is not None and stack[1] is not None and fused.takes(meta, ids[:, None])
     return outs, [t for kv in caches for t in kv], used
 
 

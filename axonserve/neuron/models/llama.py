@@ -195,9 +195,9 @@ class LlamaForCausalLM(nn.Module):
             if proj == "down":
                 return name[: m.start()] + ".experts.down_proj", e
             return name[: m.start()] + ".experts.gate_up_proj", (e, 0 if proj == "gate" else 1)
-        for frag, (fused, shard_id) in self.stacked.items():
+        for frag, (target, shard_id) in self.stacked.items():
             if frag in name:
-                return name.replace(frag, fused), shard_id
+                return name.replace(frag, target), shard_id
         return name, None
 
 
