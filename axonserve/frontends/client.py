@@ -162,9 +162,14 @@ class AsyncEngineClient:
         ctx: zmq.asyncio.Context | None = None,
         ping_after_s: float = 3.0,
         ping_timeout_s: float = 10.0,
+        model_hint: str | None = None,
     ) -> "AsyncEngineClient":
-        """Connect, fetch `EngineInfo` (retrying until `timeout`), load the tokenizer."""
+        """Connect, fetch `EngineInfo` (retrying until `timeout`), load the tokenizer.
+        model_hint: the model directory the engine is expected to serve; its tokenizer loads while
+        the engine starts (~2 s of a cold start otherwise spent after the engine is ready)."""
         own_ctx = ctx is None
+        early = asyncio.ensure_future(asyncio.to_thread(Tokenizer.load, model_hint)) \
+            if tokenizer is None and model_hint else None
         ctx = ctx or zmq.asyncio.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, b"c-" + uuid.uuid4().hex[:12].encode())
@@ -174,9 +179,13 @@ class AsyncEngineClient:
         sock.connect(address)
         try:
             info = await asyncio.wait_for(_fetch_info(sock), timeout)
+            if early is not None and info.model == model_hint:
+                tokenizer = await early
             if tokenizer is None:
                 tokenizer = await asyncio.to_thread(Tokenizer.load, info.model)
         except BaseException as e:
+            if early is not None and not early.done():
+                early.cancel()  # the thread finishes on its own; nobody waits for it
             sock.close(linger=0)
             if own_ctx:
                 ctx.term()

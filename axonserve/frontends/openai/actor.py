@@ -41,7 +41,7 @@ class FrontendActor(Actor):
 
     async def setup(self) -> dict[str, Any]:
         self.client = await AsyncEngineClient.connect(
-            self.addresses.engine, timeout=self.config.ready_timeout_s
+            self.addresses.engine, timeout=self.config.ready_timeout_s, model_hint=self.config.model
         )
         self._metrics_sock = self.socket(zmq.DEALER, self.addresses.metrics)
         self._metrics_lock = asyncio.Lock()
