@@ -137,7 +137,9 @@ class ModelRunner:
         if spec is not None and spec.method == "eagle" and rank == 0 and self.task == "generate":
             from axonserve.spec.eagle import EagleProposer
 
-            self.eagle = EagleProposer.from_config(config, self.dtype)  # bf16: packed, as the target
+            # bf16: packed, as the target; its head KV is paged by the target's block ids
+            self.eagle = EagleProposer.from_config(config, self.dtype, num_blocks=self.num_kv_blocks,
+                                                   max_position=self.max_model_len)
         log.info(
             "runner.ready",
             rank=rank,
@@ -341,7 +343,7 @@ class ModelRunner:
         """EAGLE: extend each request's head KV over the positions that became valid this step
         (a prompt chunk, or the last known token plus the accepted drafts) with their hidden
         states and following tokens, and draft for plan.num_drafts. A failure costs only drafts."""
-        rids, cs, toks, feats, ks = [], [], [], [], []
+        rids, cs, toks, feats, ks, tables = [], [], [], [], [], []
         for st, n in work:
             c = starts[st.request_id]
             m = st.num_computed_tokens - c  # valid positions c..c+m-1
@@ -354,8 +356,9 @@ class ModelRunner:
             toks.append(follow)
             feats.append(hidden[first : first + m])
             ks.append(plan.num_drafts.get(st.request_id, 0))
+            tables.append(st.block_ids)
         try:
-            drafts = self.eagle.propose(rids, cs, toks, feats, ks)
+            drafts = self.eagle.propose(rids, cs, toks, feats, ks, tables)
         except (ValueError, RuntimeError, IndexError) as e:
             log.error("eagle.propose_failed", step_id=plan.step_id, error=repr(e))
             for rid in rids:  # their head state may be half-updated

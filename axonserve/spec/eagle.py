@@ -422,32 +422,49 @@ def head_dir(model: str, served_name: str) -> str:
 
 
 class EagleProposer:
-    """The head plus one dense head-KV per request, held by worker rank 0: each step it reads the
-    target's hidden states where the forward left them (no copy to another process), extends
-    the requests' head KV over the positions that became valid, and drafts for those asked.
+    """The head, held by worker rank 0: each step it reads the target's hidden states where the
+    forward left them (no copy to another process), extends the requests' head KV over the
+    positions that became valid, and drafts for those asked.
 
-    Positions served from the target's prefix cache (and steps above disable_by_batch_size,
-    which skip the head) leave gaps: filled with zero keys/values (slightly lower acceptance,
-    outputs unaffected: every draft is verified)."""
+    With the native kernels the head runs as a one-layer native stack over a paged head KV that
+    shares the target's block tables (spec/paged_draft.py); without them, through `propose` over one
+    dense head KV per request. There, positions served from the target's prefix cache (and steps
+    above disable_by_batch_size, which skip the head) leave gaps filled with zero keys/values
+    (slightly lower acceptance, outputs unaffected: every draft is verified)."""
 
-    def __init__(self, path: str, target_dir: str, dtype: torch.dtype = torch.float32):
+    def __init__(self, path: str, target_dir: str, dtype: torch.dtype = torch.float32, num_blocks: int = 0,
+                 block_size: int = 16, max_rows: int = 256, max_position: int = 0):
+        """num_blocks: the target's KV pool (its block ids address the paged head KV); 0: dense path."""
         self.head = EagleHead.from_pretrained(path, target_dir, dtype=dtype).pack()
         self.kvs: dict[str, DraftKV] = {}
+        self.paged = None
+        if num_blocks:
+            from axonserve.spec.paged_draft import PagedDrafter
+
+            self.paged = PagedDrafter.maybe(self.head, num_blocks, block_size, max_rows, max_position)
 
     @classmethod
-    def from_config(cls, config: Any, dtype: torch.dtype = torch.float32) -> "EagleProposer":
+    def from_config(cls, config: Any, dtype: torch.dtype = torch.float32, num_blocks: int = 0,
+                    max_position: int = 0) -> "EagleProposer":
         spec = config.speculative
-        return cls(head_dir(spec.model, config.served_model_name or config.model), config.model, dtype)
+        return cls(head_dir(spec.model, config.served_model_name or config.model), config.model, dtype,
+                   num_blocks=num_blocks, block_size=config.block_size, max_rows=config.max_num_seqs,
+                   max_position=max_position)
 
     def drop(self, rid: str) -> None:
         self.kvs.pop(rid, None)
 
     def propose(self, request_ids: list[str], starts: list[int], tokens: list[list[int]],
-                feats: list[torch.Tensor], num_drafts: list[int]) -> list[list[int]]:
+                feats: list[torch.Tensor], num_drafts: list[int],
+                block_tables: list[list[int]] | None = None) -> list[list[int]]:
         """Request i's positions starts[i].. got features feats[i] [n_i, H] and were followed by
-        tokens[i] (n_i ids); returns num_drafts[i] drafts each (0: only the KV grows)."""
+        tokens[i] (n_i ids); returns num_drafts[i] drafts each (0: only the KV grows).
+        block_tables: the requests' target blocks (the paged path needs them)."""
         if not request_ids:
             return []
+        if self.paged is not None and block_tables is not None:
+            drafts = self.paged.propose(block_tables, starts, tokens, feats, max(num_drafts))
+            return [d[:m] for d, m in zip(drafts, num_drafts)]
         kvs = []
         for rid, start in zip(request_ids, starts):
             kv = self.kvs.get(rid)

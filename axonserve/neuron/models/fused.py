@@ -24,7 +24,7 @@ from axonserve.neuron.parallel import TPInfo
 if TYPE_CHECKING:
     from axonserve.neuron.models.llama import LlamaModel
 
-_NONE = torch.empty(0)
+NONE = torch.empty(0)  # an absent tensor argument (the native side tests numel)
 _KINDS = {"dense": 0, "packed": 1, "int8": 2, "int4": 3}
 
 
@@ -52,23 +52,34 @@ def build(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         if (not isinstance(mlp, LlamaMLP) or attn.q_norm is not None or layer._forward_hooks
                 or layer.input_layernorm.eps != model.norm.eps or layer.post_attention_layernorm.eps != model.norm.eps):
             return None
-        parts = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if any(p is None for p in parts):
+        parts = [linear_spec(m.weight, m.bias, m.qweight)
+                 for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if not add_layer(stack, layer.input_layernorm.weight, layer.post_attention_layernorm.weight, parts):
             return None
-        kinds, w, aux, bias, rows, group = (list(c) for c in zip(*parts))
-        stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, kinds, w, aux, bias,
-                        rows, group)
     stack.set_caches([k for k, _ in kv_caches], [v for _, v in kv_caches])
     return stack
 
 
-def _linear(m: torch.nn.Module) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None:
-    """(kind, weight, aux, bias, skinny rows, int4 group) as the native StackLinear takes them."""
-    q, b = m.qweight, (m.bias if m.bias is not None else _NONE)
+LinearSpec = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int, int]
+
+
+def linear_spec(weight: torch.Tensor | None, bias: torch.Tensor | None, q: Any = None) -> LinearSpec | None:
+    """(kind, weight, aux, bias, skinny rows, int4 group) as the native StackLinear takes them; None
+    for a format it does not know."""
+    b = bias.detach() if bias is not None else NONE
     if q is None:
-        return _KINDS["dense"], m.weight, _NONE, b, 0, 0
+        return (_KINDS["dense"], weight.detach(), NONE, b, 0, 0) if weight is not None else None
     if isinstance(q, PackedWeight):
-        return _KINDS["packed"], q.data, q.skinny if q.skinny is not None else _NONE, b, q.skinny_rows, 0
+        return _KINDS["packed"], q.data, q.skinny if q.skinny is not None else NONE, b, q.skinny_rows, 0
     if isinstance(q, QuantizedWeight):
         return _KINDS[q.method], q.data, q.scales, b, 0, INT4_GROUP
     return None
+
+
+def add_layer(stack: Any, in_norm: torch.Tensor, post_norm: torch.Tensor, parts: list[LinearSpec | None]) -> bool:
+    """Append a layer with linears (qkv, o, gate_up, down); False (nothing added) if one has no spec."""
+    if any(p is None for p in parts):
+        return False
+    kinds, w, aux, bias, rows, group = (list(c) for c in zip(*parts))  # type: ignore[arg-type]
+    stack.add_layer(in_norm.detach(), post_norm.detach(), kinds, w, aux, bias, rows, group)
+    return True

@@ -823,8 +823,9 @@ struct DecoderStack {
   }
 
   // x: [T, hidden] embedded tokens, every row attending through paged_attention (decodes, short
-  // chunks); returns the final-norm hidden states. The residual stream is updated in place by the
-  // fused add + RMSNorm, as LlamaDecoderLayer's `h + mlp` then the next layer's norm would.
+  // chunks); returns the final-norm hidden states (without a final norm: the residual stream). The
+  // residual stream is updated in place by the fused add + RMSNorm, as LlamaDecoderLayer's
+  // `h + mlp` then the next layer's norm would.
   at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor slots, at::Tensor block_table, at::Tensor row_seq,
                      at::Tensor row_kv_len) {
     TORCH_CHECK(x.dim() == 2 && !layers.empty() && k_caches.size() == layers.size(), "forward: caches not set");
@@ -844,6 +845,7 @@ struct DecoderStack {
       rms_norm(n2, o, h, L.post_norm, eps);
       add = L.down(silu_and_mul(L.gate_up(n2)));
     }
+    if (final_norm.numel() == 0) return h.add_(add);  // no final norm (an EAGLE head's layer)
     at::Tensor out = at::empty_like(h);
     rms_norm(out, add, h, final_norm, eps);
     return out;

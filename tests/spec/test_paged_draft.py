@@ -1,0 +1,76 @@
+"""The native paged drafter (spec/paged_draft.py) drafts what a from-scratch recompute of the head
+drafts, and leaves the recompute's K/V in the target's slots, over rounds with crops, block
+boundaries and draft positions past the allocated blocks (the scratch block)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from axonserve.neuron.ops import native
+from axonserve.spec.eagle import DraftKV, propose
+from axonserve.spec.paged_draft import PagedDrafter
+
+from .test_eagle import make_head, reference_chain
+
+pytestmark = pytest.mark.skipif(native.kernels() is None, reason="native kernels unavailable: dense path only")
+BS = 16
+
+
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_paged_propose_matches_full_recompute(tiny_llama_dir, k):
+    head = make_head(tiny_llama_dir)
+    drafter = PagedDrafter.maybe(head, num_blocks=32, block_size=BS, max_rows=4, max_position=512)
+    assert drafter is not None
+    torch.manual_seed(1)
+    lens = [40, 23, 31]
+    feats = [torch.randn(n, 64) for n in lens]
+    toks = [torch.randint(0, 49152, (n,)) for n in lens]
+    # n_i per round: prefill, then accepted+1; request 2 drafts past its last block (the scratch) twice
+    rounds = [[9, 1, 14], [3, 5, 1], [1, 4, 2]]
+    owned = [[7, 2, 30], [0], [11, 12]]  # scattered blocks; each round allocates what the target would
+    done = [0, 0, 0]
+    for ns in rounds:
+        starts = list(done)
+        for i, n in enumerate(ns):  # the target's blocks cover the positions it computed
+            while len(owned[i]) * BS < starts[i] + n:
+                owned[i].append(13 + len(owned[i]) + 4 * i)
+        tables = [list(o[: -(-(s + n) // BS)]) for o, s, n in zip(owned, starts, ns)]
+        got = drafter.propose(tables, starts, [toks[i][s:s + n].tolist() for i, (s, n) in enumerate(zip(starts, ns))],
+                              [feats[i][s:s + n] for i, (s, n) in enumerate(zip(starts, ns))], k)
+        for i, n in enumerate(ns):
+            done[i] += n
+            want, f_all, t_all = reference_chain(head, feats[i][: done[i]], toks[i][: done[i]], k)
+            assert got[i] == want, (i, got[i], want)
+            with torch.no_grad():
+                _, kf, vf = head(f_all[None, : done[i]], t_all[None, : done[i]], return_kv=True)
+            pos = torch.arange(done[i])
+            blocks = torch.tensor(tables[i])[pos // BS]
+            torch.testing.assert_close(drafter.k[blocks, pos % BS].transpose(0, 1), kf[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(drafter.v[blocks, pos % BS].transpose(0, 1), vf[0], atol=1e-5, rtol=1e-5)
+
+
+def test_packed_bf16_head_drafts_like_the_dense_path(tiny_llama_dir, tmp_path):
+    """The serving form (bf16, packed weights): the paged drafter and `propose` agree on nearly every draft
+    (their attention accumulates in another order, so a near-tie may differ)."""
+    from axonserve.spec.eagle import EagleHead
+
+    make_head(tiny_llama_dir).save_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    head = EagleHead.from_pretrained(str(tmp_path), tiny_llama_dir, dtype=torch.bfloat16).pack()
+    drafter = PagedDrafter.maybe(head, num_blocks=64, block_size=BS, max_rows=8, max_position=512)
+    torch.manual_seed(2)
+    b, n = 8, 37
+    feats = [torch.randn(n, 64).bfloat16() for _ in range(b)]
+    toks = [torch.randint(0, 49152, (n,)) for _ in range(b)]
+    tables = [list(range(i * 8, i * 8 + 3)) for i in range(b)]
+    got = drafter.propose(tables, [0] * b, [t.tolist() for t in toks], feats, 3)
+    want = propose(head, [DraftKV.for_head(head) for _ in range(b)], [0] * b, toks, feats, 3)
+    same = sum(g == w for gs, ws in zip(got, want) for g, w in zip(gs, ws))
+    assert same >= 0.9 * 3 * b, (got, want)
+
+
+def test_positions_past_the_scratch_block_are_refused(tiny_llama_dir):
+    head = make_head(tiny_llama_dir)
+    drafter = PagedDrafter.maybe(head, num_blocks=8, block_size=BS, max_rows=2, max_position=512)
+    with pytest.raises(ValueError, match="past its blocks"):  # 17 drafts from position 15: two blocks past
+        drafter.propose([[3]], [15], [[1]], [torch.zeros(1, 64)], BS + 3)
