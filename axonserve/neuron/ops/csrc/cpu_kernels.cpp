@@ -600,6 +600,16 @@ inline void store_tile_rows(int tile, float* buf, bf16* op, int64_t os, int64_t 
   for (int64_t m = 0; m < rows; ++m) store16(op + m * os, _mm512_load_ps(buf + m * 16));
 }
 
+// Each column block's tiles are one sequential stream; a tile a few K steps ahead is requested
+// in software too, which keeps more of the stream in flight than the hardware prefetcher alone
+// when attention's KV reads compete for memory (past a block's end it touches the next block:
+// harmless, prefetches do not fault).
+constexpr int64_t AMX_PREFETCH = 4 * 512;  // elements: 4 tiles of 1 KiB ahead
+inline void prefetch_tile(const bf16* p) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int i = 0; i < 1024; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
 // M <= 16: accumulators 0..3 = four column blocks, A = tile 4, B = tiles 5..7.
 void amx_rows16(const bf16* xp, int64_t xs, const bf16* w, int64_t K2, int64_t M, bf16* op, int64_t os,
                 int64_t nb0, int64_t nb1) {
@@ -613,6 +623,7 @@ void amx_rows16(const bf16* xp, int64_t xs, const bf16* w, int64_t K2, int64_t M
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int64_t kc = 0; kc < K2 / 16; ++kc) {
       const bf16* wk = w + nb * bs + kc * 512;
+      for (int64_t j = 0; j < n; ++j) prefetch_tile(wk + j * bs + AMX_PREFETCH);
       _tile_loadd(4, xp + kc * 32, xs * 2);
       _tile_loadd(5, wk, 64);
       _tile_dpbf16ps(0, 4, 5);
@@ -642,6 +653,8 @@ void amx_rows32(const bf16* xp, int64_t xs, const bf16* w, int64_t K2, int64_t M
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int64_t kc = 0; kc < K2 / 16; ++kc) {
       const bf16* wk = w + nb * bs + kc * 512;
+      prefetch_tile(wk + AMX_PREFETCH);
+      if (two) prefetch_tile(wk + bs + AMX_PREFETCH);
       _tile_loadd(4, xp + kc * 32, xs * 2);
       _tile_loadd(5, xp1 + kc * 32, xs * 2);
       _tile_loadd(6, wk, 64);
