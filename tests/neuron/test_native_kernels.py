@@ -29,15 +29,16 @@ def _gen(seed: int = 0) -> torch.Generator:
 # row counts: one task on the calling thread (small calls stay serial), and several OpenMP tasks
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [7, 300])
-def test_rms_norm_with_and_without_residual(dtype, rows):
+@pytest.mark.parametrize("hidden", [576, 100])  # 16-lane vectors; the scalar loop
+def test_rms_norm_with_and_without_residual(dtype, rows, hidden):
     g = _gen()
-    x, r = torch.randn(rows, 576, generator=g).to(dtype), torch.randn(rows, 576, generator=g).to(dtype)
-    w = torch.randn(576, generator=g).to(dtype)
+    x, r = torch.randn(rows, hidden, generator=g).to(dtype), torch.randn(rows, hidden, generator=g).to(dtype)
+    w = torch.randn(hidden, generator=g).to(dtype)
 
     def ref(h):
         if dtype == torch.float32:
-            return F.rms_norm(h, (576,), w, 1e-5)
-        return w * F.rms_norm(h.float(), (576,), None, 1e-5).to(dtype)
+            return F.rms_norm(h, (hidden,), w, 1e-5)
+        return w * F.rms_norm(h.float(), (hidden,), None, 1e-5).to(dtype)
 
     tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=0)
     out = torch.empty_like(x)

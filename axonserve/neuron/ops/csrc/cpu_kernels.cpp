@@ -402,6 +402,31 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, at::Tensor* residual, c
     std::vector<float> y(H);
     for (int64_t t = begin; t < end; ++t) {
       const T* xr = xp + t * H;
+#ifdef AXON_AVX512
+      if (H % 16 == 0) {  // the loops around, 16 lanes at a time (same sums, same roundings)
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j < H; j += 16) {
+          __m512 v = load16(xr + j);
+          if (rp) {
+            v = rnd16<T>(_mm512_add_ps(load16(rp + t * H + j), v));
+            store16(rp + t * H + j, v);
+          }
+          _mm512_storeu_ps(y.data() + j, v);
+          acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));  // two roundings, as the loop
+        }
+        alignas(64) float lanes[16];
+        _mm512_store_ps(lanes, acc);
+        float ss = 0.f;
+        for (int l = 0; l < 16; ++l) ss += lanes[l];
+        const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(ss / float(H) + float(eps)));
+        T* o = op + t * H;
+        for (int64_t k = 0; k < H; k += 16) {
+          const __m512 n = _mm512_mul_ps(_mm512_loadu_ps(y.data() + k), inv);
+          store16(o + k, is_f32 ? _mm512_mul_ps(n, load16(wp + k)) : _mm512_mul_ps(load16(wp + k), rnd16<T>(n)));
+        }
+        continue;
+      }
+#endif
       if (rp) {
         T* rr = rp + t * H;
         for (int64_t j = 0; j < H; ++j) { rr[j] = from_f<T>(to_f(rr[j]) + to_f(xr[j])); y[j] = to_f(rr[j]); }
