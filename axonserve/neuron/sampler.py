@@ -39,8 +39,12 @@ def _padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax. torch's CPU max(dim) is vectorised and ~3x faster than argmax on a
-    [32, 49152] float batch; both return the first index of a tie (tests compare against argmax)."""
+    """Row-wise argmax, the first index of a tie (tests compare against argmax). The native kernel
+    where built: 13 vs 82 us for a [4, 49152] bf16 verification, 1.5 vs 9 us for an EAGLE draft row;
+    else torch's CPU max(dim), vectorised and ~3x faster than argmax on a [32, 49152] float batch."""
+    k = native.for_dtype(logits.dtype)
+    if k is not None and logits.dim() == 2 and logits.stride(-1) == 1:
+        return k.argmax_rows(logits)
     return logits.max(dim=-1).indices
 
 
@@ -58,7 +62,7 @@ class Sampler:
             if any(self._min_tokens_pending(r) for r in reqs):
                 logits = logits.clone()
                 self._apply_min_tokens(logits, reqs)
-            return k.argmax_rows(logits).tolist(), None  # no float32 copy of the logits at all
+            return greedy_ids(logits).tolist(), None  # no float32 copy of the logits at all
         logits = logits.float()
         raw_lp = torch.log_softmax(logits, dim=-1) if want_lp else None
         if all(r.params.greedy and not self._needs_processing(r) for r in reqs):
