@@ -12,6 +12,7 @@ import os
 import time
 import traceback
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from dataclasses import dataclass
 
@@ -113,14 +114,19 @@ class ModelRunner:
         self.block_size = config.block_size
         # the grammar tokenizer builds on its own thread while the weights load
         self.structured = StructuredDecoding(config.model, self.vocab_size, self.eos_token_ids, enabled=rank == 0)
-        self.model = load_model(self.model_config, self.dtype, progress=rank == 0,
-                                quantization=config.quantization)
         embed = self.task == "embed"  # an encoder keeps no KV cache: each prompt runs whole in one step
         self.num_kv_blocks = 0 if embed else config.num_kv_blocks or self._auto_num_blocks()
         # bucketing: one extra scratch block (index num_kv_blocks, never handed out) takes the
         # K/V writes of padding rows
         self.pad_block = self.num_kv_blocks
-        self.kv_caches = [] if embed else self._allocate_kv_cache(self.num_kv_blocks + (self.buckets is not None))
+        # the KV pool is zeroed on a thread while the weights load: zeroing is page faults (kernel
+        # time: 2-8 s for the default 2.2 GiB on this VM), loading is the interpreter and oneDNN
+        with ThreadPoolExecutor(1, thread_name_prefix="kv-alloc") as pool:
+            kv = pool.submit(self._allocate_kv_cache, self.num_kv_blocks + (self.buckets is not None)) \
+                if not embed else None
+            self.model = load_model(self.model_config, self.dtype, progress=rank == 0,
+                                    quantization=config.quantization)
+            self.kv_caches = kv.result() if kv is not None else []
         self.result_tensors: list[torch.Tensor] = []  # extra frames the last StepResult's TensorRefs name
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self.native = native.for_dtype(self.dtype)  # fused C++ kernels (None: the torch path)
