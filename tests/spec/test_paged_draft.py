@@ -52,7 +52,7 @@ def test_paged_propose_matches_full_recompute(tiny_llama_dir, k):
 
 def test_packed_bf16_head_drafts_like_the_dense_path(tiny_llama_dir, tmp_path):
     """The serving form (bf16, packed weights): the paged drafter and `propose` agree on nearly every draft
-    (their attention accumulates in another order, so a near-tie may differ)."""
+    (their attention accumulates in another order, so a near-tie may differ; 24 of 24 here)."""
     from axonserve.spec.eagle import EagleHead
 
     make_head(tiny_llama_dir).save_pretrained(str(tmp_path), dtype=torch.bfloat16)
@@ -65,8 +65,10 @@ def test_packed_bf16_head_drafts_like_the_dense_path(tiny_llama_dir, tmp_path):
     tables = [list(range(i * 8, i * 8 + 3)) for i in range(b)]
     got = drafter.propose(tables, [0] * b, [t.tolist() for t in toks], feats, 3)
     want = propose(head, [DraftKV.for_head(head) for _ in range(b)], [0] * b, toks, feats, 3)
+    # a near-tie that flips one request's first draft changes its later drafts too: allow two of those
+    first = sum(g[0] == w[0] for g, w in zip(got, want))
     same = sum(g == w for gs, ws in zip(got, want) for g, w in zip(gs, ws))
-    assert same >= 0.9 * 3 * b, (got, want)
+    assert first >= b - 2 and same >= 3 * (b - 2), (got, want)  # unrelated drafters agree on ~1/512
 
 
 def test_positions_past_the_scratch_block_are_refused(tiny_llama_dir):
