@@ -7,6 +7,7 @@ for each request whose computed count reaches its known token count.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import os
 import time
@@ -120,10 +121,11 @@ class ModelRunner:
         # K/V writes of padding rows
         self.pad_block = self.num_kv_blocks
         # the KV pool is zeroed on a thread while the weights load: zeroing is page faults (kernel
-        # time: 2-8 s for the default 2.2 GiB on this VM), loading is the interpreter and oneDNN
+        # time: 2-8 s for the default 2.2 GiB on this VM), loading is the interpreter and oneDNN.
+        # The thread runs in a copy of this context: its log lines keep the actor's bound fields.
         with ThreadPoolExecutor(1, thread_name_prefix="kv-alloc") as pool:
-            kv = pool.submit(self._allocate_kv_cache, self.num_kv_blocks + (self.buckets is not None)) \
-                if not embed else None
+            kv = pool.submit(contextvars.copy_context().run, self._allocate_kv_cache,
+                             self.num_kv_blocks + (self.buckets is not None)) if not embed else None
             self.model = load_model(self.model_config, self.dtype, progress=rank == 0,
                                     quantization=config.quantization)
             self.kv_caches = kv.result() if kv is not None else []
