@@ -33,8 +33,9 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
             for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")}
 
 
-def _run(model, dtype, monkeypatch, on: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
-    """Hidden states of every step and the caches after them; whether the stack ran."""
+def _run(model, dtype, monkeypatch, on: bool, reset: bool = True
+         ) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
+    """Hidden states of every step and the caches after them (fresh ones); whether the stack ran."""
     monkeypatch.setenv("AXONSERVE_FUSED", "1" if on else "0")
     cfg = model.config
     caches = [(torch.zeros(64, BS, cfg.num_kv_heads, cfg.head_dim, dtype=dtype),
@@ -42,7 +43,8 @@ def _run(model, dtype, monkeypatch, on: bool) -> tuple[list[torch.Tensor], list[
     tables = [list(range(i * 16, (i + 1) * 16)) for i in range(4)]
     gen = torch.Generator().manual_seed(0)
     outs, used = [], False
-    model.model._stack = None
+    if reset:
+        model.model._stack = None
     with torch.inference_mode():
         for q, ctx in STEPS:
             meta = AttentionMetadata.build(q, ctx, tables, BS, native=native.for_dtype(dtype))
@@ -68,6 +70,9 @@ def test_stack_equals_the_python_modules(model_dirs, arch, dtype, quantization, 
     assert not used
     got, got_caches, used = _run(model, dtype, monkeypatch, on=True)
     assert used, "the native stack did not run"
+    # new caches for the same model: the stack is rebuilt over them (not left on the old ones)
+    again, again_caches, _ = _run(model, dtype, monkeypatch, on=True, reset=False)
+    assert all(torch.equal(a, b) for a, b in zip(again, got)) and all(t.any() for t in again_caches)
     for step, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"step {step}: max diff {(a.float() - b.float()).abs().max()}"
     assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))

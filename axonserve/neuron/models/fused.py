@@ -37,6 +37,12 @@ def takes(meta: AttentionMetadata, x: torch.Tensor) -> bool:
     return meta.native is not None and not meta.prefills and meta.native_idx is None and x.dim() == 2
 
 
+def cache_key(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, ...]:
+    """Which caches a stack was built over: their addresses, which no other tensor can take while
+    the stack holds them (a list's id could come back for another list)."""
+    return (len(kv_caches), kv_caches[0][0].data_ptr(), kv_caches[-1][1].data_ptr()) if kv_caches else (0,)
+
+
 def build(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], native: Any) -> Any | None:
     """A native DecoderStack over the model's weights and these caches, or None where the model
     has a part only the Python modules run."""

@@ -110,15 +110,16 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self._stack: tuple[int, Any] | None = None  # (id of the caches it was built for, native stack or None)
+        self._stack: tuple[Any, Any] | None = None  # (key of the caches it was built for, native stack or None)
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """inputs_embeds: the embedded batch when a caller replaced some rows (LLaVA's images)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if fused.takes(meta, x) and fused.enabled():
-            if self._stack is None or self._stack[0] != id(kv_caches):
-                self._stack = (id(kv_caches), fused.build(self, kv_caches, meta.native))
+            key = fused.cache_key(kv_caches)
+            if self._stack is None or self._stack[0] != key:
+                self._stack = (key, fused.build(self, kv_caches, meta.native))
             if self._stack[1] is not None:
                 return self._stack[1].forward(x, meta.positions, meta.slot_mapping, meta.native_block_table,
                                               meta.native_row_seq, meta.native_row_kv_len)
