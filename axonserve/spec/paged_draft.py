@@ -38,9 +38,10 @@ class PagedDrafter:
                  max_position: int):
         self.head, self.block_size, self.num_blocks = head, block_size, num_blocks
         c, layer, dt = head.config, head.layer, head.dtype
-        # the head's rotary table, long enough for any position the target may reach (the dense path clamps)
-        rot = RotaryEmbedding(c.head_dim, max(c.max_position_embeddings, max_position), c.rope_theta, c.rope_scaling,
-                              torch.float32)
+        # the head's rotary table, long enough for any position the target may reach plus a draft chain
+        # past it (k <= 16; the dense path clamps instead)
+        rot = RotaryEmbedding(c.head_dim, max(c.max_position_embeddings, max_position) + 16, c.rope_theta,
+                              c.rope_scaling, torch.float32)
         self.max_position = rot.cos.shape[0] - 1
         self.stack = native.DecoderStack(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.head_dim**-0.5,
                                          fused.NONE, rot.cos.to(dt), rot.sin.to(dt))
