@@ -144,10 +144,15 @@ class EagleLayer(nn.Module):
             return rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), w.detach(), self.eps).view(x.shape)
         return w * F.rms_norm(x.float(), w.shape, None, self.eps).to(x.dtype)
 
+    def merged_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The q/k/v and gate/up weights stacked, each one matmul's weight (pack(), the native stack)."""
+        return (torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)),
+                torch.cat((self.gate_proj.weight, self.up_proj.weight)))
+
     def pack(self) -> None:
         """q/k/v and gate/up as one packed matmul each: a draft step is a handful of 1-4 row calls."""
-        self.packed_qkv = PackedLinear(torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)))
-        self.packed_gate_up = PackedLinear(torch.cat((self.gate_proj.weight, self.up_proj.weight)))
+        qkv, gate_up = self.merged_weights()
+        self.packed_qkv, self.packed_gate_up = PackedLinear(qkv), PackedLinear(gate_up)
         self.o_proj = PackedLinear(self.o_proj.weight)
         self.down_proj = PackedLinear(self.down_proj.weight)
 

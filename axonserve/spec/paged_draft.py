@@ -48,8 +48,7 @@ class PagedDrafter:
         if layer.packed_qkv is not None:
             qkv, gate_up = _spec(layer.packed_qkv), _spec(layer.packed_gate_up)
         else:
-            qkv = fused.linear_spec(torch.cat((layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight)), None)
-            gate_up = fused.linear_spec(torch.cat((layer.gate_proj.weight, layer.up_proj.weight)), None)
+            qkv, gate_up = (fused.linear_spec(w, None) for w in layer.merged_weights())
         if not fused.add_layer(self.stack, layer.input_layernorm, layer.post_attention_layernorm,
                                [qkv, _spec(layer.o_proj), gate_up, _spec(layer.down_proj)]):
             raise ValueError("the head's linears are in a format the native stack does not take")
