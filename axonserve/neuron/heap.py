@@ -1,4 +1,5 @@
-"""Keep freed memory in the process heap instead of handing it back to the kernel.
+"""Process memory for a serving worker: keep freed memory in the heap instead of handing it
+back to the kernel, and put the weights a decode step streams into huge pages.
 
 glibc serves allocations above a (dynamic) threshold with fresh `mmap`s and trims the heap top
 on free, so a prefill step's multi-megabyte activations are page-faulted in again on every step
@@ -12,8 +13,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
+import threading
 
 import structlog
+import torch
 
 log = structlog.get_logger()
 
@@ -37,3 +41,51 @@ def keep_heap() -> bool:
     if not ok:
         log.info("heap.default_malloc", why="no glibc mallopt")
     return ok
+
+
+# ---------------------------------------------------------------- huge pages for streamed weights
+
+_MADV_HUGEPAGE = 14
+_MADV_COLLAPSE = 25  # Linux >= 6.1: back a range with huge pages now (a copy in the kernel)
+_HUGE = 2 * 2**20
+_ALIGN = 64  # each tensor starts on a cache line (the kernels' vector loads)
+
+
+def _madvise(addr: int, length: int, advice: int) -> bool:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc.madvise(addr, length, advice) == 0
+    except (OSError, AttributeError, TypeError):
+        return False
+
+
+def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors` in one buffer that the kernel is asked to back with transparent huge
+    pages. A decode step streams every weight once: in 4 KiB pages that is a TLB miss and a page
+    walk every 4 KiB (SmolLM2 bf16: 65k per step). In 2 MiB pages the step's matmuls ran 3-5 %
+    faster here. The buffer is filled in ordinary pages (asking for huge pages at fault time can
+    stall the load for seconds in direct compaction on a fragmented host) and a daemon thread then
+    asks the kernel to collapse it (MADV_COLLAPSE: the data stays valid and in use meanwhile); where
+    that is missing, khugepaged gets to it in the background. AXONSERVE_HUGEPAGES=0 keeps the
+    tensors as they are; so do hosts without transparent huge pages (the copy is then harmless)."""
+    if os.environ.get("AXONSERVE_HUGEPAGES", "1") in ("0", "false", "no") or not tensors:
+        return tensors
+    sizes = [-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors]
+    raw = torch.empty(sum(sizes) + _HUGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % _HUGE
+    out, offset = [], start
+    for t, n in zip(tensors, sizes):
+        nbytes = t.numel() * t.element_size()
+        dst = raw[offset:offset + nbytes].view(t.dtype).view(t.shape)
+        dst.copy_(t)
+        out.append(dst)
+        offset += n
+    addr, length = raw.data_ptr() + start, (offset - start) // _HUGE * _HUGE
+    if length and _madvise(addr, length, _MADV_HUGEPAGE):
+        def collapse(buffer: torch.Tensor) -> None:  # holds the buffer until the kernel is done
+            ok = _madvise(buffer.data_ptr() + start, length, _MADV_COLLAPSE)
+            log.debug("heap.huge_pages", mib=length // 2**20, collapsed=ok, errno=0 if ok else ctypes.get_errno())
+
+        threading.Thread(target=collapse, args=(raw,), name="huge-pages", daemon=True).start()
+    return out

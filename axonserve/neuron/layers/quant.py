@@ -122,4 +122,17 @@ def quantize_model(model: nn.Module, method: str, act_dtype: torch.dtype) -> Non
         after += m.qweight.nbytes
         if id(w) not in shared:
             m.weight = None  # the dense copy is no longer used: give its memory back
+    _streamed_into_huge_pages(model)
     log.info("model.quantized", method=method, mib_before=round(before / 2**20, 1), mib_after=round(after / 2**20, 1))
+
+
+def _streamed_into_huge_pages(model: nn.Module) -> None:
+    """The weights every decode step reads whole (skinny copies, int8/int4 data) move into one
+    huge-page buffer (heap.huge_page_copies); prefill's oneDNN copies stay (compute-bound)."""
+    from axonserve.neuron.heap import huge_page_copies
+
+    owners = [m.qweight for m in model.modules() if getattr(m, "qweight", None) is not None]
+    slots = [(q, "skinny" if isinstance(q, PackedWeight) else "data") for q in owners]
+    slots = [(q, name) for q, name in slots if isinstance(getattr(q, name), torch.Tensor)]
+    for (q, name), t in zip(slots, huge_page_copies([getattr(q, name) for q, name in slots])):
+        setattr(q, name, t)
