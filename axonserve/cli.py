@@ -38,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of available memory for the KV pool when --num-kv-blocks is unset")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                   help="plan the next step while the current one runs (ignored with speculative decoding, "
+                        "bucketing and P/D disaggregation)")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--max-waiting", type=int, default=0,
                    help="bound on queued requests; beyond it requests get HTTP 503 (0: unbounded)")
@@ -141,6 +144,7 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        async_scheduling=args.async_scheduling,
         scheduling_policy=args.scheduling_policy,
         max_waiting=args.max_waiting,
         dtype=args.dtype,

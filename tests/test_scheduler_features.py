@@ -1,5 +1,5 @@
 """Scheduler features end to end (real processes): prefix caching, chunked prefill, preemption,
-batch size 1 — alone and together — never change greedy outputs (transformers reference)."""
+batch size 1, async scheduling — alone and together — never change greedy outputs (transformers reference)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,9 @@ CASES = {
     "batch1_prefix": dict(max_num_seqs=1),  # the vllm-neuron "prefix caching at bs=1" defect
     "tiny_pool_preemption": dict(num_kv_blocks=20, max_num_batched_tokens=16),
     "priority_tiny_pool": dict(num_kv_blocks=20, scheduling_policy="priority"),
+    # plans made a step ahead: preemptions of requests whose step is still running
+    "async_tiny_pool_preemption": dict(num_kv_blocks=20, max_num_batched_tokens=16, async_scheduling=True),
+    "async_all_on": dict(max_num_batched_tokens=32, async_scheduling=True),
 }
 
 

@@ -35,6 +35,7 @@ class Request:
         "priority",
         "arrival_time",
         "max_total_tokens",
+        "num_pending",
         "finish_reason",
         "stop_reason",
         "sent_to_worker",
@@ -85,6 +86,9 @@ class Request:
         if params.max_tokens is not None:
             limit = min(limit, self.num_prompt_tokens + params.max_tokens)
         self.max_total_tokens = limit
+        # tokens that steps already sent will sample for it, not back yet (async scheduling): the
+        # next plan already counts them as known (the worker feeds its own sampled token back)
+        self.num_pending = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
         self.sent_to_worker = False  # the worker holds state for it (cleared on preemption)

@@ -22,6 +22,7 @@ back of the running list (round robin).
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import time
 from dataclasses import dataclass
@@ -61,6 +62,8 @@ class SchedulerConfig:
     buckets: BucketConfig | None = None  # bucketing mode (static shapes) when set
     task: str = "generate"  # embed: every request is a pooling request (no KV blocks)
     speculative: SpeculativeConfig | None = None  # drafts verified in the step (engine/spec.py)
+    # plans may be made before the last one's result is back (see `schedule`); the actor sets it
+    async_scheduling: bool = False
 
 
 class Scheduler:
@@ -71,7 +74,8 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by _order_key
         self.running: list[Request] = []
         self._to_drop: list[str] = []  # worker state to discard at the next step
-        self._in_flight: list[Request] = []  # scheduled in the last plan
+        # per plan sent and not yet answered, oldest first: its requests and which of them sample
+        self._in_flight: collections.deque[tuple[list[Request], list[Request]]] = collections.deque()
         self._step_id = 0
         self._seq = itertools.count()
         self._order: dict[str, tuple] = {}
@@ -187,6 +191,12 @@ class Scheduler:
     # ------------------------------------------------------------------ step
 
     def schedule(self) -> StepPlan | None:
+        """The next plan. With async scheduling it may be made while earlier plans are still running:
+        everything they schedule counts as computed (the ranks run plans in order, so no later plan
+        can read KV before they write it) and each token they will sample counts as known
+        (`num_pending`); only the token ids are missing, and the worker has those. A request whose
+        pending token ends it by length is not scheduled again; one that ends by EOS or a stop
+        token costs one discarded row in the plan after."""
         if self.cfg.buckets is not None:
             return self._schedule_bucketed(self.cfg.buckets)
         cfg = self.cfg
@@ -197,7 +207,10 @@ class Scheduler:
         for req in list(self.running):
             if req.status != Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            known = req.num_tokens + req.num_pending
+            if req.num_pending and known >= req.max_total_tokens:  # its pending token is its last
+                continue
+            n = min(known - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
             k = min(len(req.spec_token_ids), budget - 1) if n == 1 else 0  # drafts ride along
@@ -222,8 +235,8 @@ class Scheduler:
                 break
 
         while self.waiting and budget > 0 and not preempted:
-            if len(self.running) >= cfg.max_num_seqs:
-                break
+            if len(self.running) >= cfg.max_num_seqs or self.waiting[0].num_pending:
+                break  # (a request preempted with a token in flight resumes once that token is back)
             n = self._admit_head(budget)
             if not n:
                 break
@@ -407,7 +420,11 @@ class Scheduler:
                 cached_n.append(n)
             req.num_blocks_sent = len(req.block_ids)
             req.num_computed_tokens += n
-        self._in_flight = [r for r, _ in scheduled]
+        sampling = [r for r, _ in scheduled
+                    if r.pooling is None and r.num_computed_tokens >= r.num_tokens + r.num_pending]
+        for r in sampling:
+            r.num_pending += 1
+        self._in_flight.append(([r for r, _ in scheduled], sampling))
         self._step_id += 1
         # EAGLE drafts on worker rank 0 in the step itself, for requests that sample at its end;
         # above disable_by_batch_size the head is skipped (it would only take cores from the step)
@@ -456,19 +473,26 @@ class Scheduler:
         lps = result.logprobs
         counts = result.num_sampled or itertools.repeat(1)
         eagle = dict(zip(result.draft_request_ids, result.draft_token_ids))
+        scheduled, sampling = self._in_flight.popleft() if self._in_flight else ([], [])
+        for req in sampling:
+            req.num_pending -= 1
         at = 0
         for i, (rid, m) in enumerate(zip(result.request_ids, counts)):
             toks = result.sampled_token_ids[at : at + m]
             at += m
             req = self.requests.get(rid)
-            if req is None or req.status != Status.RUNNING:  # aborted or preempted meanwhile
+            if req is None or req.status == Status.FINISHED:  # aborted or finished meanwhile
                 continue
+            # not running: preempted by a plan made after this one (async scheduling); its token
+            # still counts (it resumes with it), its blocks are gone
+            running = req.status == Status.RUNNING
             k, req.num_spec_scheduled = req.num_spec_scheduled, 0
             if k:  # m - 1 drafts accepted: the rejected ones' positions are not computed
                 req.num_computed_tokens -= k - (m - 1)
                 if self.spec is not None:
                     self.spec.record(req, k, m - 1)
-            self.blocks.cache_computed(req)  # verified KV only; before a finish frees the blocks
+            if running:
+                self.blocks.cache_computed(req)  # verified KV only; before a finish frees the blocks
             new: list[int] = []
             done = False
             for tok in toks:
@@ -495,7 +519,7 @@ class Scheduler:
             if done:
                 delta.finish_reason, delta.stop_reason = req.finish_reason, req.stop_reason
                 self._finish(req)
-            elif rid in eagle:
+            elif rid in eagle and running:
                 self.take_drafts(req, eagle[rid])
             deltas.append(delta)
         for rid in result.pooled_request_ids:  # their vectors travel as frames (scheduler_actor)
@@ -507,10 +531,9 @@ class Scheduler:
             req.finish_reason = "stop"
             deltas.append(RequestDelta(rid, finish_reason="stop", num_prompt_tokens=req.num_prompt_tokens))
             self._finish(req)
-        for req in self._in_flight:  # prefill chunks that sampled nothing
+        for req in scheduled:  # prefill chunks that sampled nothing
             if req.status == Status.RUNNING and req.pooling is None and not req.num_spec_scheduled:
                 self.blocks.cache_computed(req)
-        self._in_flight = []
         return deltas
 
     def take_drafts(self, req: Request, drafts: list[int]) -> None:

@@ -12,6 +12,7 @@ plan and result sockets with steps, so the two never interleave).
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections import defaultdict, deque
 
@@ -104,6 +105,8 @@ class SchedulerActor(Actor):
                 buckets=buckets,
                 task=self.task,
                 speculative=self.config.speculative,
+                async_scheduling=self.config.async_scheduling and self.config.speculative is None
+                and buckets is None and self.config.role == "both",
             )
         )
         self.engine_info = EngineInfo(
@@ -314,15 +317,31 @@ class SchedulerActor(Actor):
 
     async def _step_loop(self) -> None:
         """schedule -> plan to the ranks -> (the last step's outputs to clients) -> result -> update.
-        A step's outputs leave after the next plan: the ranks compute while we send them."""
+        A step's outputs leave after the next plan: the ranks compute while we send them. With
+        async scheduling two plans are out at once: the next one is made and sent before the
+        current one's result is back, so the ranks start it the moment they finish (a batch-32
+        SmolLM2 worker here: idle 2.3 -> 0.3 ms per step; served throughput unchanged on 2 cores,
+        where that idle time was the frontend's and scheduler's CPU time); new requests then join
+        one step later."""
         pending: tuple | None = None  # the last step's deltas and stats, not sent yet
+        inflight: collections.deque[tuple[StepPlan, float, float, float]] = collections.deque()
+        depth = 2 if self.sched.cfg.async_scheduling else 1
         while self.dead_reason is None:
-            while self._profile_q and self.dead_reason is None:
+            if self._profile_q and not inflight:  # (a profiler reply must not cross step results)
                 pending = await self._flush(pending)
                 await self._run_profile(*self._profile_q.popleft())
-            t0 = time.perf_counter()
-            plan = self.sched.schedule() if self.sched.has_work else None
-            if plan is None:
+                continue
+            if len(inflight) < depth and not self._profile_q:
+                t0 = time.perf_counter()
+                plan = self.sched.schedule() if self.sched.has_work else None
+                if plan is not None:
+                    self._log_preempted(plan)
+                    t1 = time.perf_counter()
+                    await self.pub.send_multipart(Codec.encode(plan, self.sched.plan_frames), copy=False)
+                    inflight.append((plan, t1 - t0, t1, time.perf_counter() - t1))
+                    if len(inflight) < depth:
+                        continue  # the next plan before this one's result
+            if not inflight:
                 pending = await self._flush(pending)
                 self._work.clear()
                 if self.sched.has_work:  # blocked on KV blocks with nothing running
@@ -330,17 +349,14 @@ class SchedulerActor(Actor):
                 else:
                     await self._work.wait()
                 continue
-            self._log_preempted(plan)
-            t1 = time.perf_counter()
-            await self.pub.send_multipart(Codec.encode(plan, self.sched.plan_frames), copy=False)
-            t_sent = time.perf_counter()
             pending = await self._flush(pending)
+            plan, sched_s, t1, send_s = inflight.popleft()
             result = await self._await_result(plan)
             if result is None:
                 return
             t2 = time.perf_counter()
             deltas = self.sched.update(result)
-            pending = (deltas, self.pooled_rows, plan, result, t1 - t0, t2 - t1, time.perf_counter() - t2, t_sent - t1)
+            pending = (deltas, self.pooled_rows, plan, result, sched_s, t2 - t1, time.perf_counter() - t2, send_s)
             if self.sched.spec is not None:  # outputs first: a failing drafter fails the rest after them
                 pending = await self._flush(pending)
                 if not await self._propose(result):

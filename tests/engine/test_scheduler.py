@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 
 from axonserve.engine.buckets import BucketConfig, parse_buckets, pick, pow2_upto
@@ -79,6 +81,26 @@ def drive(s: Scheduler, w: Worker, max_steps=200):
             outs.setdefault(d.request_id, []).extend(d.new_token_ids)
             if d.finish_reason:
                 finish[d.request_id] = d.finish_reason
+    return outs, finish, plans
+
+
+def drive_async(s: Scheduler, w: Worker, max_steps=300):
+    """As `drive`, with the actor's async loop: a plan is made before the last one's result is back."""
+    outs: dict[str, list[int]] = {}
+    finish: dict[str, str] = {}
+    plans, inflight, ahead = [], collections.deque(), 0
+    for _ in range(max_steps):
+        while len(inflight) < 2 and (plan := s.schedule()) is not None:
+            ahead += bool(inflight) and bool(plan.cached)
+            plans.append(plan)
+            inflight.append(plan)
+        if not inflight:
+            break
+        for d in s.update(w.run(inflight.popleft())):
+            outs.setdefault(d.request_id, []).extend(d.new_token_ids)
+            if d.finish_reason:
+                finish[d.request_id] = d.finish_reason
+    assert ahead > 0, "no plan was made ahead of a result"
     return outs, finish, plans
 
 
@@ -451,3 +473,58 @@ def test_token_id_parameters_past_the_vocabulary_are_refused_at_intake():
     for bad in (dict(stop_token_ids=[100], min_tokens=1), dict(logit_bias={100: 1.0}), dict(allowed_token_ids=[5, 100])):
         why = s.check(req("x", 3, **bad))
         assert why is not None and "[0, 100)" in why, bad
+
+
+def _counting(fn):
+    """A token function that also counts the rows each request sampled (wasted ones included)."""
+    rows = collections.Counter()
+
+    def f(rid, i):
+        rows[rid] += 1
+        return fn(rid, i)
+    return f, rows
+
+
+def test_async_scheduling_same_outputs_stop_rules_and_one_wasted_row_at_most():
+    toks = {"eos": [5, EOS, 7, 7], "stopid": [5, 9, 7, 7], "len": [5] * 10, "ign": [EOS] * 10,
+            "min": [EOS, EOS, 6, EOS, 7]}
+    got = {}
+    for mode in ("sync", "async"):
+        fn, rows = _counting(lambda rid, i: toks[rid][i])
+        s, w = make(async_scheduling=mode == "async"), Worker(fn)
+        s.add(req("eos", 3))
+        s.add(req("stopid", 3, stop_token_ids=[9]))
+        s.add(req("len", 3, max_tokens=4))
+        s.add(req("ign", 3, max_tokens=3, ignore_eos=True))
+        s.add(req("min", 3, min_tokens=3))
+        outs, finish, _ = (drive_async if mode == "async" else drive)(s, w)
+        got[mode] = (outs, finish)
+        assert s.blocks.num_free == s.blocks.num_blocks and not s.requests
+        assert all(r.num_pending == 0 for r in s.running + s.waiting)
+        if mode == "async":  # a length stop is known ahead; an EOS / stop token costs one row after it
+            assert rows["len"] == 4 and rows["ign"] == 3, rows
+            assert rows["eos"] == 3 and rows["stopid"] == 3 and rows["min"] == 5, rows
+    assert got["async"] == got["sync"]
+    assert got["sync"][0]["eos"] == [5, EOS] and got["sync"][1]["len"] == "length"
+
+
+def test_async_scheduling_preemption_keeps_the_token_in_flight(monkeypatch):
+    """A request preempted by the plan made while its step runs still gets that step's token and
+    resumes with it; nothing is lost or repeated (as in sync mode)."""
+    landed_preempted = []
+    append = Request.append_token
+
+    def watch(self, tok, eos):
+        if self.status == Status.PREEMPTED:
+            landed_preempted.append(self.request_id)
+        return append(self, tok, eos)
+    monkeypatch.setattr(Request, "append_token", watch)
+    s, w = make(num_blocks=6, async_scheduling=True), Worker(lambda rid, i: 20 + i)
+    for rid in "abc":
+        s.add(req(rid, 6, max_tokens=8))
+    outs, finish, plans = drive_async(s, w)
+    assert s.num_preemptions > 0
+    assert all(outs[r] == list(range(20, 28)) for r in "abc"), outs
+    assert all(finish[r] == "length" for r in "abc")
+    assert landed_preempted, "no token landed for a request preempted while its step ran"
+    assert s.blocks.num_free == 6 and not s.requests
