@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import os
 import threading
+import weakref
 
 import structlog
 import torch
@@ -65,10 +66,10 @@ def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     pages. A decode step streams every weight once: in 4 KiB pages that is a TLB miss and a page
     walk every 4 KiB (SmolLM2 bf16: 65k per step). In 2 MiB pages the step's matmuls ran 3-5 %
     faster here. The buffer is filled in ordinary pages (asking for huge pages at fault time can
-    stall the load for seconds in direct compaction on a fragmented host) and a daemon thread then
-    asks the kernel to collapse it (MADV_COLLAPSE: the data stays valid and in use meanwhile); where
-    that is missing, khugepaged gets to it in the background. AXONSERVE_HUGEPAGES=0 keeps the
-    tensors as they are; so do hosts without transparent huge pages (the copy is then harmless)."""
+    stall the load for seconds in direct compaction on a fragmented host) and advised for huge
+    pages; `collapse_huge_pages` later has the kernel collapse it at once, else khugepaged gets to it
+    in the background. AXONSERVE_HUGEPAGES=0 keeps the tensors as they are; so do hosts without
+    transparent huge pages (the copy is then harmless)."""
     if os.environ.get("AXONSERVE_HUGEPAGES", "1") in ("0", "false", "no") or not tensors:
         return tensors
     sizes = [-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors]
@@ -81,11 +82,33 @@ def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         dst.copy_(t)
         out.append(dst)
         offset += n
-    addr, length = raw.data_ptr() + start, (offset - start) // _HUGE * _HUGE
-    if length and _madvise(addr, length, _MADV_HUGEPAGE):
-        def collapse(buffer: torch.Tensor) -> None:  # holds the buffer until the kernel is done
-            ok = _madvise(buffer.data_ptr() + start, length, _MADV_COLLAPSE)
-            log.debug("heap.huge_pages", mib=length // 2**20, collapsed=ok, errno=0 if ok else ctypes.get_errno())
-
-        threading.Thread(target=collapse, args=(raw,), name="huge-pages", daemon=True).start()
+    length = (offset - start) // _HUGE * _HUGE
+    if length and _madvise(raw.data_ptr() + start, length, _MADV_HUGEPAGE):
+        # the first copy starts the range; a weak reference: a model dropped meanwhile is not kept
+        _to_collapse.append((weakref.ref(out[0]), length))
     return out
+
+
+_to_collapse: list[tuple[weakref.ref, int]] = []  # advised ranges not collapsed yet: (first tensor, bytes)
+
+
+def collapse_huge_pages() -> threading.Thread | None:
+    """Collapse the buffers `huge_page_copies` made, on a daemon thread (MADV_COLLAPSE, Linux 6.1+:
+    the data stays valid and in use meanwhile). ~2.5 s of kernel time for SmolLM2's 270 MB here:
+    the worker calls it after its warm-up, which it had slowed 0.7 -> 2.1 s when it ran at load."""
+    jobs = list(_to_collapse)
+    _to_collapse.clear()
+    if not jobs:
+        return None
+
+    def run() -> None:
+        for ref, length in jobs:
+            first = ref()  # held during the call: it keeps the whole buffer mapped
+            if first is None:
+                continue
+            ok = _madvise(first.data_ptr(), length, _MADV_COLLAPSE)
+            log.info("heap.huge_pages", mib=length // 2**20, collapsed=ok, errno=0 if ok else ctypes.get_errno())
+
+    thread = threading.Thread(target=run, name="huge-pages", daemon=True)
+    thread.start()
+    return thread

@@ -19,7 +19,7 @@ import os
 import zmq
 
 from axonserve.actors.runtime import Actor
-from axonserve.neuron.heap import keep_heap
+from axonserve.neuron.heap import collapse_huge_pages, keep_heap
 from axonserve.protocol import Codec, DecodeError
 from axonserve.protocol.messages import ProfileAck, ProfileCommand, StepPlan
 
@@ -50,6 +50,7 @@ class WorkerActor(Actor):
         self.runner = await self._load_in_own_thread()
         r = self.runner
         r.warm_up()  # on this thread: the one whose heap arena and thread pool serve the steps
+        collapse_huge_pages()  # the streamed weights' huge pages, now that start-up is done
         self.profiler = None
         if self.config.profile_dir:
             from axonserve.neuron.profiler import RankProfiler, model_device_type

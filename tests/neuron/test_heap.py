@@ -61,7 +61,7 @@ def test_huge_page_copies(monkeypatch):
     aligned copies, the originals untouched; AXONSERVE_HUGEPAGES=0 leaves the tensors as they are."""
     import torch
 
-    from axonserve.neuron.heap import huge_page_copies
+    from axonserve.neuron.heap import collapse_huge_pages, huge_page_copies
 
     g = torch.Generator().manual_seed(0)
     ts = [torch.randn(96, 288, 16, 2, generator=g).bfloat16(), torch.randint(-128, 127, (300, 577), generator=g,
@@ -80,5 +80,11 @@ def test_huge_page_copies(monkeypatch):
             thp = "[never]"
         if "[never]" not in thp:
             assert "hg" in _vm_flags(base), "the buffer was not advised for huge pages"
+    thread = collapse_huge_pages()  # the kernel may refuse (memory state): it must only finish
+    if thread is not None:
+        thread.join(60)
+        assert not thread.is_alive()
+    assert collapse_huge_pages() is None  # each buffer once
+    assert all(torch.equal(c, t) for c, t in zip(copies, ts))  # collapsing keeps the data
     monkeypatch.setenv("AXONSERVE_HUGEPAGES", "0")
     assert all(a is b for a, b in zip(huge_page_copies(ts), ts))
