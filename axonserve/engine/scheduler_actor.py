@@ -12,7 +12,6 @@ plan and result sockets with steps, so the two never interleave).
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 from collections import defaultdict, deque
 
@@ -324,7 +323,7 @@ class SchedulerActor(Actor):
         where that idle time was the frontend's and scheduler's CPU time); new requests then join
         one step later."""
         pending: tuple | None = None  # the last step's deltas and stats, not sent yet
-        inflight: collections.deque[tuple[StepPlan, float, float, float]] = collections.deque()
+        inflight: deque[tuple[StepPlan, float, float, float]] = deque()
         depth = 2 if self.sched.cfg.async_scheduling else 1
         while self.dead_reason is None:
             if self._profile_q and not inflight:  # (a profiler reply must not cross step results)
