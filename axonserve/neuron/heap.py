@@ -94,8 +94,9 @@ _to_collapse: list[tuple[weakref.ref, int]] = []  # advised ranges not collapsed
 
 def collapse_huge_pages() -> threading.Thread | None:
     """Collapse the buffers `huge_page_copies` made, on a daemon thread (MADV_COLLAPSE, Linux 6.1+:
-    the data stays valid and in use meanwhile). ~2.5 s of kernel time for SmolLM2's 270 MB here:
-    the worker calls it after its warm-up, which it had slowed 0.7 -> 2.1 s when it ran at load."""
+    the data stays valid and in use meanwhile). ~1.5-2.5 s of kernel time for SmolLM2's 270 MB
+    here: the worker waits for it after its warm-up (run during the load it slowed the warm-up
+    0.7 -> 2.1 s; run after ready it slowed the first seconds of serving)."""
     jobs = list(_to_collapse)
     _to_collapse.clear()
     if not jobs:
