@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
-import threading
 import weakref
 
 import structlog
@@ -28,14 +28,17 @@ _MMAP_MAX_THRESHOLD = 32 * 2**20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-b
 _NEVER_TRIM = 2**31 - 1  # mallopt takes a C int: the largest trim threshold it can express
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
 def keep_heap() -> bool:
     """Allocations up to 32 MiB come from the heap and up to 2 GiB of free heap top is kept
     (glibc only; False elsewhere, where nothing changes). Fixing the thresholds also ends glibc's dynamic
     threshold, which otherwise only grows after a large block has already been unmapped."""
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
+        mallopt = _libc().mallopt
         ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_MAX_THRESHOLD) == 1 and mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM) == 1
     except (OSError, AttributeError, TypeError):
         ok = False
@@ -54,9 +57,9 @@ _ALIGN = 64  # each tensor starts on a cache line (the kernels' vector loads)
 
 def _madvise(addr: int, length: int, advice: int) -> bool:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return libc.madvise(addr, length, advice) == 0
+        madvise = _libc().madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return madvise(addr, length, advice) == 0
     except (OSError, AttributeError, TypeError):
         return False
 
@@ -92,24 +95,22 @@ def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 _to_collapse: list[tuple[weakref.ref, int]] = []  # advised ranges not collapsed yet: (first tensor, bytes)
 
 
-def collapse_huge_pages() -> threading.Thread | None:
-    """Collapse the buffers `huge_page_copies` made, on a daemon thread (MADV_COLLAPSE, Linux 6.1+:
-    the data stays valid and in use meanwhile). ~1.5-2.5 s of kernel time for SmolLM2's 270 MB
-    here: the worker waits for it after its warm-up (run during the load it slowed the warm-up
-    0.7 -> 2.1 s; run after ready it slowed the first seconds of serving)."""
+def collapse_huge_pages() -> int | None:
+    """Collapse the buffers `huge_page_copies` made (MADV_COLLAPSE, Linux 6.1+: the data stays valid
+    and in use meanwhile); returns the MiB collapsed, None when none was pending. ~1.5-2.5 s of
+    kernel time for SmolLM2's 270 MB here: the worker runs it off its event loop after its warm-up
+    (run during the load it slowed the warm-up 0.7 -> 2.1 s; run after ready it slowed the first
+    seconds of serving)."""
     jobs = list(_to_collapse)
     _to_collapse.clear()
     if not jobs:
         return None
-
-    def run() -> None:
-        for ref, length in jobs:
-            first = ref()  # held during the call: it keeps the whole buffer mapped
-            if first is None:
-                continue
-            ok = _madvise(first.data_ptr(), length, _MADV_COLLAPSE)
-            log.info("heap.huge_pages", mib=length // 2**20, collapsed=ok, errno=0 if ok else ctypes.get_errno())
-
-    thread = threading.Thread(target=run, name="huge-pages", daemon=True)
-    thread.start()
-    return thread
+    mib = 0
+    for ref, length in jobs:
+        first = ref()  # held during the call: it keeps the whole buffer mapped
+        if first is None:
+            continue
+        ok = _madvise(first.data_ptr(), length, _MADV_COLLAPSE)
+        log.info("heap.huge_pages", mib=length // 2**20, collapsed=ok, errno=0 if ok else ctypes.get_errno())
+        mib += length // 2**20 if ok else 0
+    return mib

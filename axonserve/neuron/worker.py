@@ -52,9 +52,7 @@ class WorkerActor(Actor):
         r.warm_up()  # on this thread: the one whose heap arena and thread pool serve the steps
         # the streamed weights into huge pages (~2 s of kernel time) before saying ready: done after
         # ready it overlapped the first seconds of serving (one-wave 32-stream runs 926-1,100 tok/s)
-        collapse = collapse_huge_pages()
-        if collapse is not None:
-            await asyncio.to_thread(collapse.join, 60.0)
+        await asyncio.to_thread(collapse_huge_pages)
         self.profiler = None
         if self.config.profile_dir:
             from axonserve.neuron.profiler import RankProfiler, model_device_type

@@ -68,29 +68,14 @@ class Worker:
         return StepResult(plan.step_id, ids, toks)
 
 
-def drive(s: Scheduler, w: Worker, max_steps=200):
-    outs: dict[str, list[int]] = {}
-    finish: dict[str, str] = {}
-    plans = []
-    for _ in range(max_steps):
-        plan = s.schedule()
-        if plan is None:
-            break
-        plans.append(plan)
-        for d in s.update(w.run(plan)):
-            outs.setdefault(d.request_id, []).extend(d.new_token_ids)
-            if d.finish_reason:
-                finish[d.request_id] = d.finish_reason
-    return outs, finish, plans
-
-
-def drive_async(s: Scheduler, w: Worker, max_steps=300):
-    """As `drive`, with the actor's async loop: a plan is made before the last one's result is back."""
+def drive(s: Scheduler, w: Worker, max_steps=200, depth=1):
+    """Schedule and run until done; depth 2 is the actor's async loop (a plan is made before the
+    last one's result is back)."""
     outs: dict[str, list[int]] = {}
     finish: dict[str, str] = {}
     plans, inflight, ahead = [], collections.deque(), 0
     for _ in range(max_steps):
-        while len(inflight) < 2 and (plan := s.schedule()) is not None:
+        while len(inflight) < depth and (plan := s.schedule()) is not None:
             ahead += bool(inflight) and bool(plan.cached)
             plans.append(plan)
             inflight.append(plan)
@@ -100,8 +85,12 @@ def drive_async(s: Scheduler, w: Worker, max_steps=300):
             outs.setdefault(d.request_id, []).extend(d.new_token_ids)
             if d.finish_reason:
                 finish[d.request_id] = d.finish_reason
-    assert ahead > 0, "no plan was made ahead of a result"
+    assert depth == 1 or ahead > 0, "no plan was made ahead of a result"
     return outs, finish, plans
+
+
+def drive_async(s: Scheduler, w: Worker):
+    return drive(s, w, max_steps=300, depth=2)
 
 
 def test_continuous_batching_joins_next_step():
@@ -159,11 +148,16 @@ def test_abort_frees_and_tells_worker():
     assert p.finished_request_ids == ["a"] and not p.new and not p.cached
 
 
-def test_preemption_recomputes_and_loses_nothing():
-    # 6 blocks of 4 slots; three requests of 6 prompt + 8 output tokens cannot all fit
-    s, w = make(num_blocks=6), Worker(lambda rid, i: 20 + i)
+def _tight_pool(**kw) -> tuple[Scheduler, Worker]:
+    """6 blocks of 4 slots; three requests of 6 prompt + 8 output tokens cannot all fit."""
+    s, w = make(num_blocks=6, **kw), Worker(lambda rid, i: 20 + i)
     for rid in "abc":
         s.add(req(rid, 6, max_tokens=8))
+    return s, w
+
+
+def test_preemption_recomputes_and_loses_nothing():
+    s, w = _tight_pool()
     outs, finish, plans = drive(s, w)
     assert s.num_preemptions > 0
     assert all(outs[r] == list(range(20, 28)) for r in "ab"), outs
@@ -519,9 +513,7 @@ def test_async_scheduling_preemption_keeps_the_token_in_flight(monkeypatch):
             landed_preempted.append(self.request_id)
         return append(self, tok, eos)
     monkeypatch.setattr(Request, "append_token", watch)
-    s, w = make(num_blocks=6, async_scheduling=True), Worker(lambda rid, i: 20 + i)
-    for rid in "abc":
-        s.add(req(rid, 6, max_tokens=8))
+    s, w = _tight_pool(async_scheduling=True)
     outs, finish, plans = drive_async(s, w)
     assert s.num_preemptions > 0
     assert all(outs[r] == list(range(20, 28)) for r in "abc"), outs

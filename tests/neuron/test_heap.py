@@ -80,10 +80,7 @@ def test_huge_page_copies(monkeypatch):
             thp = "[never]"
         if "[never]" not in thp:
             assert "hg" in _vm_flags(base), "the buffer was not advised for huge pages"
-    thread = collapse_huge_pages()  # the kernel may refuse (memory state): it must only finish
-    if thread is not None:
-        thread.join(60)
-        assert not thread.is_alive()
+    assert collapse_huge_pages() is not None  # the kernel may refuse (memory state): it must only finish
     assert collapse_huge_pages() is None  # each buffer once
     assert all(torch.equal(c, t) for c, t in zip(copies, ts))  # collapsing keeps the data
     monkeypatch.setenv("AXONSERVE_HUGEPAGES", "0")
