@@ -3,9 +3,12 @@
 Order (vLLM semantics): structured-output grammar mask (applied by the runner, see
 neuron/structured.py) -> raw logprobs -> allowed_token_ids / logit_bias -> penalties ->
 min_tokens mask -> greedy argmax, or
-temperature -> min_p -> top_k/top_p -> sample. Sampling uses the exponential race
-(argmax p / Exp(1)), so a seeded request draws only from its own generator and gets the
-same tokens whatever else shares the batch.
+temperature -> min_p -> top_k/top_p -> sample. A draw is the inverse CDF at one uniform
+number per row taken from the request's own generator (or the sampler's for unseeded ones), so a
+seeded request gets the same tokens whatever else shares the batch. The common case - greedy or
+plain temperature rows, no penalties - runs in one native call on the logits as they are
+(`sample_rows`); the exponential race this replaced drew a random number per vocabulary entry,
+~35 ms a step at 32 rows against ~0.3 ms.
 """
 
 from __future__ import annotations
@@ -58,11 +61,19 @@ class Sampler:
     ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         want_lp = any(r.params.logprobs is not None for r in reqs)
         k = native.for_dtype(logits.dtype)
-        if k is not None and not want_lp and all(r.params.greedy and not self._adjusts_logits(r) for r in reqs):
+        vocab = logits.shape[-1]
+        if k is not None and logits.stride(-1) == 1 and all(
+                (r.params.greedy or _temperature_only(r.params, vocab)) and not self._adjusts_logits(r) for r in reqs):
+            raw_lp = torch.log_softmax(logits.float(), dim=-1) if want_lp else None
             if any(self._min_tokens_pending(r) for r in reqs):
                 logits = logits.clone()
                 self._apply_min_tokens(logits, reqs)
-            return greedy_ids(logits).tolist(), None  # no float32 copy of the logits at all
+            if all(r.params.greedy for r in reqs):
+                ids = greedy_ids(logits)
+            else:  # no float32 copy of the logits at all
+                inv_t = torch.tensor([0.0 if r.params.greedy else 1.0 / r.params.temperature for r in reqs])
+                ids = k.sample_rows(logits, inv_t, self._uniforms(reqs))
+            return ids.tolist(), (self._logprobs(raw_lp, ids, reqs) if raw_lp is not None else None)
         logits = logits.float()
         raw_lp = torch.log_softmax(logits, dim=-1) if want_lp else None
         if all(r.params.greedy and not self._needs_processing(r) for r in reqs):
@@ -149,15 +160,28 @@ class Sampler:
                         logits[i] = row
 
     def _random(self, logits: torch.Tensor, reqs: list[SamplingState]) -> torch.Tensor:
-        return self._race(self._probs(logits, reqs), reqs)
+        return self._draw(self._probs(logits, reqs), reqs)
 
-    def _race(self, probs: torch.Tensor, reqs: Sequence[SamplingState]) -> torch.Tensor:
-        """One draw per row from `probs` (exponential race, each request's own generator)."""
-        q = torch.empty_like(probs).exponential_(generator=self.generator)
+    def _uniforms(self, reqs: Sequence[SamplingState]) -> torch.Tensor:
+        """float64 [rows] in [0, 1): one per row, a seeded request's from its own generator."""
+        u = torch.rand(len(reqs), dtype=torch.float64, generator=self.generator)
         for i, r in enumerate(reqs):
             if r.generator is not None:
-                q[i].exponential_(generator=r.generator)
-        return (probs / q).argmax(dim=-1)
+                u[i] = torch.rand((), dtype=torch.float64, generator=r.generator)
+        return u
+
+    def _draw(self, probs: torch.Tensor, reqs: Sequence[SamplingState]) -> torch.Tensor:
+        """One draw per row from `probs` (unnormalised is fine): the first index whose float64
+        running sum passes u x the row's total, so a zero-probability token is never drawn."""
+        cum = probs.double().cumsum(dim=-1)
+        target = (self._uniforms(reqs) * cum[:, -1])[:, None]
+        ids = torch.searchsorted(cum, target, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+        # rounding can leave the target on the last entries' plateau: take the last nonzero token
+        bad = probs.gather(1, ids[:, None])[:, 0] <= 0
+        if bad.any():
+            pos = torch.arange(probs.shape[-1])
+            ids[bad] = torch.where(probs[bad] > 0, pos, -1).amax(dim=-1)
+        return ids
 
     def _probs(self, logits: torch.Tensor, reqs: Sequence[SamplingState]) -> torch.Tensor:
         """The distribution a random request samples from: temperature, min_p, top-k/top-p."""
@@ -209,7 +233,7 @@ class Sampler:
                     continue
                 p = probs[row]
                 if j == len(d):  # every draft accepted: the bonus token
-                    toks.append(int(self._race(p[None], [r])[0]))
+                    toks.append(int(self._draw(p[None], [r])[0]))
                     break
                 gen = r.generator if r.generator is not None else self.generator
                 if torch.rand((), generator=gen).item() < p[d[j]].item():
@@ -217,7 +241,7 @@ class Sampler:
                     continue
                 residual = p.clone()
                 residual[d[j]] = 0.0
-                toks.append(int(self._race(residual[None] / residual.sum(), [r])[0]))
+                toks.append(int(self._draw(residual[None], [r])[0]))
                 break
             out.append(toks)
             at += len(d) + 1
@@ -248,6 +272,11 @@ class Sampler:
                     )
                 )
         return out
+
+
+def _temperature_only(p: SamplingParams, vocab: int) -> bool:
+    """Random sampling with nothing but a temperature (the OpenAI API's default request)."""
+    return (p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0 and p.min_p <= 0.0
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -169,3 +169,26 @@ def test_verify_keeps_the_target_distribution():
         assert stat < chi2_critical(df), (stat, df, obs, probs)
     # every rejected draft position holds a token other than the draft
     assert all(o[0] != drafts[0] for o in out if len(o) == 1)
+
+
+def test_temperature_draws_follow_softmax_native_and_torch_paths():
+    """Temperature-only rows take the native inverse-CDF kernel on the logits as they are (bf16 or
+    float32); min_p routes a row through the torch path. Both keep softmax(x / T) (chi-square,
+    20,000 rows in one call), and a banned (min_tokens) token is never drawn."""
+    from collections import Counter
+
+    from conftest import chi2, chi2_critical
+
+    v, n, temp = 12, 20000, 0.7
+    lg = torch.randn(1, v, generator=torch.Generator().manual_seed(5)) * 2
+    for dtype, kw in ((torch.float32, {}), (torch.bfloat16, {}), (torch.float32, {"min_p": 1e-12})):
+        x = lg.to(dtype)
+        p = (x.float() / temp).softmax(-1)[0]
+        reqs = [st(temperature=temp, **kw) for _ in range(n)]
+        ids, _ = Sampler([0], seed=3)(x.repeat(n, 1), reqs)
+        stat, df = chi2(Counter(ids), dict(enumerate(p.tolist())), n)
+        assert stat < chi2_critical(df), (dtype, kw, stat, Counter(ids), p)
+    eos = int(lg.argmax())
+    reqs = [st(temperature=5.0, min_tokens=3) for _ in range(2000)]
+    ids, _ = Sampler([eos])(lg.repeat(2000, 1), reqs)
+    assert eos not in ids and len(set(ids)) == v - 1
