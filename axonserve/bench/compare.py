@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from axonserve.bench.peers import default_dir, has_module
-from axonserve.bench.serve import (LevelOptions, Workload, add_workload_args, discover_model,
+from axonserve.bench.serve import (LevelOptions, Workload, add_workload_args, discover_model, request_extras,
                                    metadata, parse_concurrency, print_summary, run_levels,
                                    write_outputs)
 from axonserve.bench.servers import (REPO, ServerSpec, axonserve_spec, launch, llama_server_spec,
@@ -218,8 +218,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
     concs = parse_concurrency(a.concurrency or "1,32")
     work = Workload(a.input_len, a.output_len, a.num_prompts, a.prompt_kind, a.prefix_len,
                     a.prefix_groups, a.seed, a.vocab_size)
-    opts = LevelOptions(concs, a.request_rate, a.max_duration, a.warmup,
-                        json.loads(a.extra_body) if a.extra_body else {}, not a.no_ignore_eos,
+    opts = LevelOptions(concs, a.request_rate, a.max_duration, a.warmup, request_extras(a), not a.no_ignore_eos,
                         not a.no_progress)
     tok = tokenizer_for(model_dir, a.prompt_kind)
     specs, skipped = build_specs(a, model_dir, gguf, max(c or 1 for c in concs))

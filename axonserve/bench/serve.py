@@ -175,14 +175,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     work = Workload(args.input_len, args.output_len, args.num_prompts, args.prompt_kind,
                     args.prefix_len, args.prefix_groups, args.seed, args.vocab_size)
     opts = LevelOptions(parse_concurrency(args.concurrency), args.request_rate, args.max_duration,
-                        args.warmup, json.loads(args.extra_body) if args.extra_body else {},
-                        not args.no_ignore_eos, not args.no_progress)
+                        args.warmup, request_extras(args), not args.no_ignore_eos, not args.no_progress)
     tok = tokenizer_for(args.tokenizer, args.prompt_kind)
     pgids = {os.getpgid(pid) for pid in args.server_pid}
     runs = run_levels(base, model, work, opts, tok, engine=args.label or model, pgids=pgids)
     doc = {"kind": "serve", "meta": metadata(args), "base_url": base, "model": model, "runs": runs}
     write_outputs(doc, args.out, args.plot, f"{model} @ {base}")
     return 0 if all(r["summary"]["failed"] == 0 for r in runs) else 1
+
+
+def request_extras(args: argparse.Namespace) -> dict:
+    """--extra-body JSON with the sampling flags (vLLM bench's) over it; greedy unless asked."""
+    body = json.loads(args.extra_body) if args.extra_body else {}
+    for key in ("temperature", "top_p", "top_k"):
+        if getattr(args, key) is not None:
+            body[key] = getattr(args, key)
+    return body
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -201,6 +209,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=32000, help="id range without a tokenizer")
     p.add_argument("--no-ignore-eos", action="store_true", help="let EOS end streams early")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", default=None, help="results JSON")
     p.add_argument("--plot", default=None, help="PNG with latency CDFs and throughput (default: --out with .png)")

@@ -1,4 +1,5 @@
-"""One real `bench serve` run against `axonserve serve` on the tiny model (subprocess server)."""
+"""One real `bench serve` run against `axonserve serve` on the tiny model (subprocess server),
+sampling at temperature 1 (the native draw path through HTTP)."""
 
 import json
 import subprocess
@@ -13,7 +14,7 @@ def test_bench_serve_end_to_end(tiny_llama_dir, tmp_path):
         cmd = [sys.executable, "-m", "axonserve.bench", "serve", "--base-url", srv.base_url,
                "--num-prompts", "8", "--concurrency", "4", "--input-len", "16", "--output-len", "8",
                "--vocab-size", "49152", "--warmup", "1", "--no-progress", "--out", str(out),
-               "--plot", ""]
+               "--plot", "", "--temperature", "1.0"]
         r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads(out.read_text())

@@ -84,3 +84,20 @@ async def test_run_load_respects_concurrency(monkeypatch):
 def test_loopback_guard():
     assert is_loopback("http://127.0.0.1:8000") and is_loopback("http://localhost:1")
     assert not is_loopback("http://10.0.0.1:8000")
+
+
+def test_sampling_flags_reach_the_request_body():
+    """vLLM bench's --temperature / --top-p / --top-k override --extra-body's; greedy when absent."""
+    import argparse
+
+    from axonserve.bench.serve import add_workload_args, request_extras
+
+    p = argparse.ArgumentParser()
+    add_workload_args(p)
+    p.add_argument("--extra-body", default=None)
+    spec = RequestSpec(prompt=[1, 2], prompt_len=2, max_tokens=4)
+    args = p.parse_args(["--temperature", "0.7", "--top-p", "0.9", "--extra-body", '{"top_k": 5, "temperature": 0.1}'])
+    body = request_body(LoadConfig("http://127.0.0.1:1", "m", extra_body=request_extras(args)), spec)
+    assert (body["temperature"], body["top_p"], body["top_k"]) == (0.7, 0.9, 5)
+    body = request_body(LoadConfig("http://127.0.0.1:1", "m", extra_body=request_extras(p.parse_args([]))), spec)
+    assert body["temperature"] == 0.0 and "top_p" not in body

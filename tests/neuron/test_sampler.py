@@ -192,3 +192,20 @@ def test_temperature_draws_follow_softmax_native_and_torch_paths():
     reqs = [st(temperature=5.0, min_tokens=3) for _ in range(2000)]
     ids, _ = Sampler([eos])(lg.repeat(2000, 1), reqs)
     assert eos not in ids and len(set(ids)) == v - 1
+
+
+def test_top_k_top_p_candidates_equal_the_full_sort():
+    """The top-1024 candidate pass keeps exactly the tokens the full sort keeps: peaked rows (nucleus
+    inside the candidates), flat rows (fallback), top-k beyond the candidates, unfiltered rows."""
+    from axonserve.neuron.sampler import _top_k_top_p, _top_k_top_p_sorted
+
+    vocab = 5000
+    g = torch.Generator().manual_seed(6)
+    lg = torch.cat([torch.randn(4, vocab, generator=g) * 8, torch.randn(4, vocab, generator=g) * 0.1])
+    top_k = torch.tensor([0, 50, 2000, vocab, vocab, 3, 1500, vocab])
+    top_k = torch.where(top_k > 0, top_k, vocab)
+    top_p = torch.tensor([0.9, 1.0, 0.95, 0.5, 0.99, 0.7, 1.0, 1.0])
+    fast, ref = _top_k_top_p(lg, top_k, top_p), _top_k_top_p_sorted(lg, top_k, top_p)
+    assert torch.equal(fast.isinf(), ref.isinf()) and torch.equal(fast[~fast.isinf()], ref[~ref.isinf()])
+    kept = (~fast.isinf()).sum(-1).tolist()
+    assert kept[7] == vocab and kept[1] == 50 and kept[5] <= 3 and kept[4] > 1024  # a flat row fell back
