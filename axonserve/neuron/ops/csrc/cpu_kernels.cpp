@@ -498,7 +498,7 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
 
 // ------------------------------------------------------------------ greedy argmax
 // Row-wise argmax of [N, V] logits in their own dtype (no float32 copy); the first index wins a tie.
-// Index of the row's maximum (the first on a tie); its value in *max.
+// row_argmax also hands back the maximum (sample_impl's softmax shift).
 template <typename T>
 inline int64_t row_argmax(const T* row, int64_t V, float* max) {
   int64_t best = 0;
