@@ -66,6 +66,9 @@ def _run(model, dtype, monkeypatch, on: bool, reset: bool = True
 def test_stack_equals_the_python_modules(model_dirs, arch, dtype, quantization, pack, monkeypatch):
     mc = ModelConfig.from_dir(model_dirs[arch])
     model = load_model(mc, dtype, progress=False, quantization=quantization, pack=pack)
+    if quantization == "int8" and native.kernels().skinny_rows(native.kernels().pack_int8_weight(
+            torch.zeros(16, 32, dtype=torch.int8))):  # AMX: int8 decode batches take the int8 tiles
+        assert model.model.layers[0].mlp.down_proj.qweight.skinny is not None
     want, want_caches, used = _run(model, dtype, monkeypatch, on=False)
     assert not used
     got, got_caches, used = _run(model, dtype, monkeypatch, on=True)

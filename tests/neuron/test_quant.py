@@ -37,23 +37,48 @@ def test_packed_matmul_is_the_dequantized_product(method, tol, rows):
     assert rel < tol, f"{method} error {rel:.4f} against the dense weight"
 
 
+@pytest.mark.parametrize("rows", [0, 1, 7, 16, 17, 32, 33, 70])
+def test_int8_amx_copy_multiplies_the_dequantized_weight(rows):
+    """bf16 activations with AMX: up to 32 rows through the int8 tiles (float32 sums scaled per
+    column, rounded once to bf16), more through oneDNN on the dequantized bf16 weight."""
+    torch.manual_seed(2)
+    w, x = torch.randn(96, 128), torch.randn(rows, 128).bfloat16()
+    q = QuantizedWeight(w, "int8", torch.bfloat16)
+    if q.skinny is None:
+        pytest.skip("no AMX int8 kernel on this CPU")
+    scale = w.abs().amax(1) / 127
+    codes = (w / scale[:, None]).round().clamp(-127, 127)
+    assert q.skinny_rows == 32 and codes.abs().max() == 127
+    got = q.matmul(x)
+    assert got.shape == (rows, 96) and got.dtype == torch.bfloat16
+    if rows > q.skinny_rows:
+        assert torch.equal(got, torch.nn.functional.linear(x, (codes * scale[:, None]).bfloat16()))
+        return
+    exact = x.double() @ (codes.double() * scale.double()[:, None]).T
+    ulp = exact.abs().clamp_min(1e-30).log2().floor().exp2() * 2**-7
+    slack = (x.double().abs() @ (codes.double().abs() * scale.double()[:, None]).T) * 1e-6
+    assert ((got.double() - exact).abs() <= ulp * 0.5 + slack).all()
+
+
 def test_int4_needs_whole_groups():
     with pytest.raises(ValueError, match="multiple of 32"):
         QuantizedWeight(torch.randn(8, 40), "int4", torch.float32)
 
 
-def _prompt_logits(model_dir: str, quantization: str) -> torch.Tensor:
+def _prompt_logits(model_dir: str, quantization: str, n: int) -> torch.Tensor:
     r = ModelRunner(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=8, quantization=quantization))
-    ids = torch.arange(400, 464)
+    ids = torch.arange(400, 400 + n)
     meta = AttentionMetadata.build([len(ids)], [0], [list(range(4))], 16)
     with torch.inference_mode():
         return r.model.compute_logits(r.model(ids, meta.positions, r.kv_caches, meta)).float()
 
 
-@pytest.mark.parametrize("method,min_agree,max_kl", [("int8", 0.75, 0.05), ("int4", 0.6, 0.25)])
-def test_quantized_smollm2_stays_close(smollm2_dir, method, min_agree, max_kl):
-    base = _prompt_logits(smollm2_dir, "")
-    got = _prompt_logits(smollm2_dir, method)
+# 24 tokens: a batch the AMX int8 kernel takes (up to 32 rows); 64: oneDNN on the dequantized copy
+@pytest.mark.parametrize("method,n,min_agree,max_kl", [("int8", 24, 0.75, 0.05), ("int8", 64, 0.75, 0.05),
+                                                       ("int4", 64, 0.6, 0.25)])
+def test_quantized_smollm2_stays_close(smollm2_dir, method, n, min_agree, max_kl):
+    base = _prompt_logits(smollm2_dir, "", n)
+    got = _prompt_logits(smollm2_dir, method, n)
     agree = (got.argmax(-1) == base.argmax(-1)).float().mean().item()
     kl = torch.nn.functional.kl_div(got.log_softmax(-1), base.log_softmax(-1), log_target=True,
                                     reduction="batchmean").item()

@@ -3,7 +3,11 @@
 A decode step reads every weight once, so on a CPU its time is weight bytes over memory
 bandwidth: int8 halves the bytes of bf16, int4 quarters them. Weights are quantized once at
 load, after tensor-parallel sharding, and multiplied by torch's CPU weight-only kernels:
-- int8: one symmetric scale per output row (`_weight_int8pack_mm`).
+- int8: one symmetric scale per output row (-127..127; `_weight_int8pack_mm`). With AMX and bf16
+  activations, batches of up to 32 rows instead stream the int8 weight through AMX tiles
+  (csrc `skinny_int8`: a decode step of SmolLM2 reads 135 MB instead of 270), and larger ones
+  (prefill) multiply a oneDNN-packed bf16 copy of the dequantized weight: torch's int8 kernel
+  is ~15x slower than oneDNN there (2,048 rows).
 - int4: asymmetric groups of 32 input columns with a scale and a zero point each, as GGUF's
   Q4_1 does (`_weight_int4pack_mm_for_cpu`, which dequantizes `(q - 8) * scale + zero`).
 Only the dense linears and the LM head are quantized; the embedding table is looked up, not
@@ -32,10 +36,15 @@ class QuantizedWeight:
         w = w.float()
         self.method, self.shape = method, tuple(w.shape)
         n, k = w.shape
+        self.skinny: torch.Tensor | None = None  # int8 in the AMX layout (skinny_int8)
+        self.skinny_rows = 0
         if method == "int8":
             scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-            self.data = (w / scale[:, None]).round().clamp(-128, 127).to(torch.int8).contiguous()
+            q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
             self.scales = scale.to(act_dtype)
+            self.data: torch.Tensor | None = q
+            if act_dtype == torch.bfloat16:
+                self._amx_int8(q, scale)
         elif method == "int4":
             if k % INT4_GROUP:
                 raise ValueError(f"int4 needs the input size ({k}) to be a multiple of {INT4_GROUP}")
@@ -49,12 +58,27 @@ class QuantizedWeight:
         else:
             raise ValueError(f"quantization {method!r} is not supported; supported: {', '.join(METHODS)}")
 
+    def _amx_int8(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """Where AMX takes the weight (K a multiple of 32): the int8 copy in skinny_int8's layout
+        for up to 32 rows, and `data` becomes the dequantized bf16 weight in oneDNN's layout."""
+        kernels = _skinny_kernels(q) if can_pack(torch.bfloat16) and q.shape[1] % 32 == 0 else None
+        if kernels is None or kernels.skinny_rows(packed := kernels.pack_int8_weight(q)) == 0:
+            return
+        self.kernels, self.skinny, self.skinny_rows = kernels, packed, kernels.skinny_rows(packed)
+        self.skinny_scales = scale.contiguous()
+        self.data = torch.ops.mkldnn._reorder_linear_weight((q.float() * scale[:, None]).bfloat16(), 32)
+
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
+        parts = [t for t in (self.data, self.scales, self.skinny) if t is not None]
+        return sum(t.numel() * t.element_size() for t in parts)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.scales.dtype)
+        if self.skinny is not None:
+            if x.shape[0] <= self.skinny_rows and x.dim() == 2 and x.stride(-1) == 1:
+                return self.kernels.skinny_int8(x, self.skinny, self.skinny_scales)
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.data, None, "none", [], "")
         if self.method == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.data, INT4_GROUP, self.scales)
@@ -127,12 +151,12 @@ def quantize_model(model: nn.Module, method: str, act_dtype: torch.dtype) -> Non
 
 
 def _streamed_into_huge_pages(model: nn.Module) -> None:
-    """The weights every decode step reads whole (skinny copies, int8/int4 data) move into one
+    """The weights every decode step reads whole (skinny copies, else int8/int4 data) move into one
     huge-page buffer (heap.huge_page_copies); prefill's oneDNN copies stay (compute-bound)."""
     from axonserve.neuron.heap import huge_page_copies
 
     owners = [m.qweight for m in model.modules() if getattr(m, "qweight", None) is not None]
-    slots = [(q, "skinny" if isinstance(q, PackedWeight) else "data") for q in owners]
+    slots = [(q, "skinny" if isinstance(q, PackedWeight) or q.skinny is not None else "data") for q in owners]
     slots = [(q, name) for q, name in slots if isinstance(getattr(q, name), torch.Tensor)]
     for (q, name), t in zip(slots, huge_page_copies([getattr(q, name) for q, name in slots])):
         setattr(q, name, t)

@@ -66,19 +66,22 @@ def build(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     return stack
 
 
-LinearSpec = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int, int]
+LinearSpec = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int, int, torch.Tensor]
 
 
 def linear_spec(weight: torch.Tensor | None, bias: torch.Tensor | None, q: Any = None) -> LinearSpec | None:
-    """(kind, weight, aux, bias, skinny rows, int4 group) as the native StackLinear takes them; None
-    for a format it does not know."""
+    """(kind, weight, aux, bias, skinny rows, int4 group, skinny scales) as the native StackLinear
+    takes them; None for a format it does not know. An int8 weight with an AMX copy is "packed":
+    that copy (and its scales) up to its rows, the dequantized oneDNN copy above."""
     b = bias.detach() if bias is not None else NONE
     if q is None:
-        return (_KINDS["dense"], weight.detach(), NONE, b, 0, 0) if weight is not None else None
+        return (_KINDS["dense"], weight.detach(), NONE, b, 0, 0, NONE) if weight is not None else None
     if isinstance(q, PackedWeight):
-        return _KINDS["packed"], q.data, q.skinny if q.skinny is not None else NONE, b, q.skinny_rows, 0
+        return _KINDS["packed"], q.data, q.skinny if q.skinny is not None else NONE, b, q.skinny_rows, 0, NONE
     if isinstance(q, QuantizedWeight):
-        return _KINDS[q.method], q.data, q.scales, b, 0, INT4_GROUP
+        if q.skinny is not None:
+            return _KINDS["packed"], q.data, q.skinny, b, q.skinny_rows, 0, q.skinny_scales
+        return _KINDS[q.method], q.data, q.scales, b, 0, INT4_GROUP, NONE
     return None
 
 
@@ -86,6 +89,6 @@ def add_layer(stack: Any, in_norm: torch.Tensor, post_norm: torch.Tensor, parts:
     """Append a layer with linears (qkv, o, gate_up, down); False (nothing added) if one has no spec."""
     if any(p is None for p in parts):
         return False
-    kinds, w, aux, bias, rows, group = (list(c) for c in zip(*parts))  # type: ignore[arg-type]
-    stack.add_layer(in_norm.detach(), post_norm.detach(), kinds, w, aux, bias, rows, group)
+    kinds, w, aux, bias, rows, group, scales = (list(c) for c in zip(*parts))  # type: ignore[arg-type]
+    stack.add_layer(in_norm.detach(), post_norm.detach(), kinds, w, aux, bias, rows, group, scales)
     return True

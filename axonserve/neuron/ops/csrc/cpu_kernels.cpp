@@ -695,56 +695,128 @@ bool amx_permitted() {
   return ok;
 }
 
-inline void store_tile_rows(int tile, float* buf, bf16* op, int64_t os, int64_t rows) {
+// Accumulator tile -> bf16 output rows; with int8 weights each column is first multiplied by
+// its scale (`sc`, the block's 16 scales; null for bf16 weights).
+inline void store_tile_rows(int tile, float* buf, bf16* op, int64_t os, int64_t rows, const float* sc) {
   switch (tile) {  // tile numbers are immediates
     case 0: _tile_stored(0, buf, 64); break;
     case 1: _tile_stored(1, buf, 64); break;
     case 2: _tile_stored(2, buf, 64); break;
     default: _tile_stored(3, buf, 64); break;
   }
-  for (int64_t m = 0; m < rows; ++m) store16(op + m * os, _mm512_load_ps(buf + m * 16));
+  if (sc) {
+    const __m512 s = _mm512_loadu_ps(sc);
+    for (int64_t m = 0; m < rows; ++m) store16(op + m * os, _mm512_mul_ps(_mm512_load_ps(buf + m * 16), s));
+  } else {
+    for (int64_t m = 0; m < rows; ++m) store16(op + m * os, _mm512_load_ps(buf + m * 16));
+  }
 }
 
 // Each column block's tiles are one sequential stream; a tile a few K steps ahead is requested
 // in software too, which keeps more of the stream in flight than the hardware prefetcher alone
 // when attention's KV reads compete for memory (past a block's end it touches the next block:
 // harmless, prefetches do not fault).
-constexpr int64_t AMX_PREFETCH = 4 * 512;  // elements: 4 tiles of 1 KiB ahead
-inline void prefetch_tile(const bf16* p) {
+constexpr int64_t AMX_PREFETCH = 4 * 512;  // elements: 4 tiles ahead
+template <typename W>
+inline void prefetch_tile(const W* p) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int i = 0; i < 1024; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+  for (int i = 0; i < int(512 * sizeof(W)); i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
 }
 
+// A B tile for _tile_loadd: bf16 weights are used where they lie; an int8 tile (512 bytes) is
+// widened to exact bf16 integers in `buf` (L1) by two 128-entry byte tables (vpermi2b): the low
+// and high byte of bf16(|q|), the sign or-ed in; q = -128 never occurs (symmetric +-127). The
+// bytes come out interleaved per 128-bit lane, so pack_int8_weight stores each 64 bytes in that
+// order. ~6 instructions per 64 weights, where int8 -> int32 -> float -> bf16 took ~16.
+struct Int8Tables {
+  __m512i lo0, lo1, hi0, hi1;
+  Int8Tables() {
+    alignas(64) uint8_t lo[128], hi[128];
+    for (int a = 0; a < 128; ++a) {
+      const uint16_t b = bf16(float(a)).x;
+      lo[a] = uint8_t(b & 0xFF);
+      hi[a] = uint8_t(b >> 8);
+    }
+    lo0 = _mm512_load_si512(lo); lo1 = _mm512_load_si512(lo + 64);
+    hi0 = _mm512_load_si512(hi); hi1 = _mm512_load_si512(hi + 64);
+  }
+};
+const Int8Tables& int8_tables() {
+  static const Int8Tables t;
+  return t;
+}
+
+inline void widen_tile(const int8_t* w, bf16* buf, const Int8Tables& t) {
+  const __m512i sign = _mm512_set1_epi8(char(0x80));
+  for (int r = 0; r < 8; ++r) {  // 64 weights: two tile rows
+    const __m512i v = _mm512_loadu_si512(w + r * 64);
+    const __m512i a = _mm512_abs_epi8(v);
+    const __m512i lo = _mm512_permutex2var_epi8(t.lo0, a, t.lo1);
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi0, a, t.hi1), v, sign, 0xF8);
+    _mm512_store_si512(buf + r * 64, _mm512_unpacklo_epi8(lo, hi));
+    _mm512_store_si512(buf + r * 64 + 32, _mm512_unpackhi_epi8(lo, hi));
+  }
+}
+
+// Where a pass's B tiles come from (block j of the pass at column block nb, K step kc): bf16
+// weights where they lie; int8 weights widened one K step ahead into a double buffer, so a tile
+// load never waits on the stores that just wrote it (loading right after them ran no faster than
+// bf16's twice-as-large stream).
+template <typename W> struct BTiles;
+template <> struct BTiles<bf16> {
+  const bf16* w;
+  int64_t bs;
+  void widen(int64_t, int64_t, int64_t) {}
+  const bf16* get(int64_t nb, int64_t kc, int64_t j) const { return w + (nb + j) * bs + kc * 512; }
+};
+template <> struct BTiles<int8_t> {
+  const int8_t* w;
+  int64_t bs;
+  const Int8Tables& tab = int8_tables();
+  alignas(64) bf16 buf[2][4][512];
+  void widen(int64_t nb, int64_t kc, int64_t n) {
+    for (int64_t j = 0; j < n; ++j) widen_tile(w + (nb + j) * bs + kc * 512, buf[kc & 1][j], tab);
+  }
+  const bf16* get(int64_t, int64_t kc, int64_t j) const { return buf[kc & 1][j]; }
+};
+
 // M <= 16: accumulators 0..3 = four column blocks, A = tile 4, B = tiles 5..7.
-void amx_rows16(const bf16* xp, int64_t xs, const bf16* w, int64_t K2, int64_t M, bf16* op, int64_t os,
-                int64_t nb0, int64_t nb1) {
+template <typename W>
+void amx_rows16(const bf16* xp, int64_t xs, const W* w, const float* scales, int64_t K2, int64_t M, bf16* op,
+                int64_t os, int64_t nb0, int64_t nb1) {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) { cfg.rows[t] = t < 5 ? M : 16; cfg.colsb[t] = 64; }
   _tile_loadconfig(&cfg);
   alignas(64) float buf[16 * 16];
   const int64_t bs = K2 * 32;  // elements from one column block to the next
+  BTiles<W> bt{w, bs};
+  const int64_t KC = K2 / 16;
   for (int64_t nb = nb0; nb < nb1; nb += 4) {
     const int64_t n = std::min<int64_t>(4, nb1 - nb);
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    for (int64_t kc = 0; kc < K2 / 16; ++kc) {
-      const bf16* wk = w + nb * bs + kc * 512;
+    bt.widen(nb, 0, n);
+    for (int64_t kc = 0; kc < KC; ++kc) {
+      const W* wk = w + nb * bs + kc * 512;
       for (int64_t j = 0; j < n; ++j) prefetch_tile(wk + j * bs + AMX_PREFETCH);
       _tile_loadd(4, xp + kc * 32, xs * 2);
-      _tile_loadd(5, wk, 64);
+      _tile_loadd(5, bt.get(nb, kc, 0), 64);
       _tile_dpbf16ps(0, 4, 5);
-      if (n > 1) { _tile_loadd(6, wk + bs, 64); _tile_dpbf16ps(1, 4, 6); }
-      if (n > 2) { _tile_loadd(7, wk + 2 * bs, 64); _tile_dpbf16ps(2, 4, 7); }
-      if (n > 3) { _tile_loadd(5, wk + 3 * bs, 64); _tile_dpbf16ps(3, 4, 5); }
+      if (n > 1) { _tile_loadd(6, bt.get(nb, kc, 1), 64); _tile_dpbf16ps(1, 4, 6); }
+      if (n > 2) { _tile_loadd(7, bt.get(nb, kc, 2), 64); _tile_dpbf16ps(2, 4, 7); }
+      if (n > 3) { _tile_loadd(5, bt.get(nb, kc, 3), 64); _tile_dpbf16ps(3, 4, 5); }
+      if (kc + 1 < KC) bt.widen(nb, kc + 1, n);
     }
-    for (int j = 0; j < n; ++j) store_tile_rows(j, buf, op + (nb + j) * 16, os, M);
+    for (int j = 0; j < n; ++j)
+      store_tile_rows(j, buf, op + (nb + j) * 16, os, M, scales ? scales + (nb + j) * 16 : nullptr);
   }
   _tile_release();
 }
 
 // 16 < M <= 32: two row tiles (A = tiles 4, 5) times two column blocks (B = tiles 6, 7);
 // accumulators 0, 1 = rows 0..15 and 2, 3 = rows 16..M-1 of blocks nb, nb + 1.
-void amx_rows32(const bf16* xp, int64_t xs, const bf16* w, int64_t K2, int64_t M, bf16* op, int64_t os,
-                int64_t nb0, int64_t nb1) {
+template <typename W>
+void amx_rows32(const bf16* xp, int64_t xs, const W* w, const float* scales, int64_t K2, int64_t M, bf16* op,
+                int64_t os, int64_t nb0, int64_t nb1) {
   const int64_t M1 = M - 16;
   TileConfig cfg;
   const uint8_t rows[8] = {16, 16, uint8_t(M1), uint8_t(M1), 16, uint8_t(M1), 16, 16};
@@ -752,33 +824,42 @@ void amx_rows32(const bf16* xp, int64_t xs, const bf16* w, int64_t K2, int64_t M
   _tile_loadconfig(&cfg);
   alignas(64) float buf[16 * 16];
   const int64_t bs = K2 * 32;
+  BTiles<W> bt{w, bs};
+  const int64_t KC = K2 / 16;
   const bf16* xp1 = xp + 16 * xs;
   for (int64_t nb = nb0; nb < nb1; nb += 2) {
     const bool two = nb + 1 < nb1;
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    for (int64_t kc = 0; kc < K2 / 16; ++kc) {
-      const bf16* wk = w + nb * bs + kc * 512;
+    bt.widen(nb, 0, two ? 2 : 1);
+    for (int64_t kc = 0; kc < KC; ++kc) {
+      const W* wk = w + nb * bs + kc * 512;
       prefetch_tile(wk + AMX_PREFETCH);
       if (two) prefetch_tile(wk + bs + AMX_PREFETCH);
       _tile_loadd(4, xp + kc * 32, xs * 2);
       _tile_loadd(5, xp1 + kc * 32, xs * 2);
-      _tile_loadd(6, wk, 64);
+      _tile_loadd(6, bt.get(nb, kc, 0), 64);
       _tile_dpbf16ps(0, 4, 6);
       _tile_dpbf16ps(2, 5, 6);
-      if (two) { _tile_loadd(7, wk + bs, 64); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(3, 5, 7); }
+      if (two) {
+        _tile_loadd(7, bt.get(nb, kc, 1), 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      if (kc + 1 < KC) bt.widen(nb, kc + 1, two ? 2 : 1);
     }
     for (int j = 0; j < (two ? 2 : 1); ++j) {
-      store_tile_rows(j, buf, op + (nb + j) * 16, os, 16);
-      store_tile_rows(2 + j, buf, op + 16 * os + (nb + j) * 16, os, M1);
+      const float* sc = scales ? scales + (nb + j) * 16 : nullptr;
+      store_tile_rows(j, buf, op + (nb + j) * 16, os, 16, sc);
+      store_tile_rows(2 + j, buf, op + 16 * os + (nb + j) * 16, os, M1, sc);
     }
   }
   _tile_release();
 }
 
-void amx_matmul(const at::Tensor& x, const at::Tensor& wp, at::Tensor& out) {
-  const int64_t M = x.size(0), NB = wp.size(0), K2 = wp.size(1);
+template <typename W>
+void amx_matmul(const at::Tensor& x, const W* w, const float* scales, int64_t NB, int64_t K2, at::Tensor& out) {
+  const int64_t M = x.size(0);
   const bf16* xp = x.data_ptr<bf16>();
-  const bf16* w = wp.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
   const int64_t xs = x.stride(0), os = out.stride(0);
   const int64_t group = M <= 16 ? 4 : 2;  // column blocks per tile pass
@@ -786,8 +867,8 @@ void amx_matmul(const at::Tensor& x, const at::Tensor& wp, at::Tensor& out) {
   // ~16k weight pairs per task, as gemv_rows: a small matrix stays on the calling thread
   at::parallel_for(0, groups, std::max<int64_t>(1, 16384 / (K2 * 16 * group)), [&](int64_t b, int64_t e) {
     const int64_t nb0 = b * group, nb1 = std::min(NB, e * group);
-    if (M <= 16) amx_rows16(xp, xs, w, K2, M, op, os, nb0, nb1);
-    else amx_rows32(xp, xs, w, K2, M, op, os, nb0, nb1);
+    if (M <= 16) amx_rows16(xp, xs, w, scales, K2, M, op, os, nb0, nb1);
+    else amx_rows32(xp, xs, w, scales, K2, M, op, os, nb0, nb1);
   });
 }
 #endif
@@ -809,8 +890,20 @@ at::Tensor pack_gemv_weight(at::Tensor w) {
   return w.reshape({N / 16, 16, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-void check_skinny_args(const at::Tensor& x, const at::Tensor& wp) {
+// W [N, K] int8 (symmetric, -127..127) -> skinny_int8's layout: pack_gemv_weight's order with each
+// 64 bytes [2 halves, 4 lanes, 8] stored [4 lanes, 2 halves, 8], the order b_tile's byte unpack
+// gives back.
+at::Tensor pack_int8_weight(at::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "weight: [N, K] int8");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % 16 == 0 && K % 32 == 0, "N must be a multiple of 16 and K of 32");
+  at::Tensor p = w.reshape({N / 16, 16, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+  return p.view({-1, 2, 4, 8}).transpose(1, 2).contiguous().view({N / 16, K / 2, 16, 2});
+}
+
+void check_skinny_args(const at::Tensor& x, const at::Tensor& wp, at::ScalarType wt = at::kBFloat16) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16, "x: [M, K] bfloat16, rows dense");
+  TORCH_CHECK(wp.scalar_type() == wt, "wp: ", wt, " expected, got ", wp.scalar_type());
   TORCH_CHECK(wp.dim() == 4 && wp.is_contiguous() && wp.size(2) == 16 && wp.size(3) == 2, "wp: pack_gemv_weight's");
   TORCH_CHECK(x.size(1) == 2 * wp.size(1), "x has ", x.size(1), " columns, the weight ", 2 * wp.size(1));
 }
@@ -837,11 +930,13 @@ at::Tensor gemv_bf16(at::Tensor x, at::Tensor wp) {
 }
 
 // The most rows skinny_bf16 should take for this packed weight: 32 with AMX (K a multiple of 32);
-// with AVX512-BF16 only 3 (measured: from 4 rows on oneDNN is as fast); 0 without either.
+// with AVX512-BF16 only 3 (measured: from 4 rows on oneDNN is as fast); 0 without either. An int8
+// weight (skinny_int8) takes 32 with AMX, else 0.
 constexpr int64_t GEMV_FAST_ROWS = 3;
 int64_t skinny_rows(at::Tensor wp) {
   if (!has_bf16_gemv()) return 0;
-  return amx_fits(wp) ? AMX_MAX_ROWS : GEMV_FAST_ROWS;
+  if (amx_fits(wp)) return AMX_MAX_ROWS;
+  return wp.scalar_type() == at::kChar ? 0 : GEMV_FAST_ROWS;
 }
 
 // x @ W^T for 1..skinny_rows(wp) rows: through AMX tiles when the CPU has them (one row too:
@@ -855,7 +950,26 @@ at::Tensor skinny_bf16(at::Tensor x, at::Tensor wp) {
   TORCH_CHECK(M <= AMX_MAX_ROWS, "skinny_bf16 takes 1..", AMX_MAX_ROWS, " rows");
   at::Tensor out = at::empty({M, wp.size(0) * 16}, x.options());
 #ifdef AXON_AMX
-  amx_matmul(x, wp, out);
+  amx_matmul(x, wp.data_ptr<bf16>(), nullptr, wp.size(0), wp.size(1), out);
+#endif
+  return out;
+}
+
+// x @ (W * scales[:, None])^T for 1..AMX_MAX_ROWS rows with W int8 in the skinny layout (one
+// symmetric scale per output column, layers/quant.py's int8): half the bytes of bf16 streamed.
+// Each 512-byte B tile is widened to exact bf16 integers in L1 (~8 instructions per 32 weights,
+// overlapped with the stream) and the scales multiply the float32 accumulators. AMX only.
+at::Tensor skinny_int8(at::Tensor x, at::Tensor wp, at::Tensor scales) {
+  check_skinny_args(x, wp, at::kChar);
+  TORCH_CHECK(amx_fits(wp), "skinny_int8 needs AMX and K a multiple of 32");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == wp.size(0) * 16,
+              "scales: float32 [N]");
+  const int64_t M = x.size(0);
+  TORCH_CHECK(M <= AMX_MAX_ROWS, "skinny_int8 takes 0..", AMX_MAX_ROWS, " rows");
+  at::Tensor out = at::empty({M, wp.size(0) * 16}, x.options());
+  if (M == 0) return out;
+#ifdef AXON_AMX
+  amx_matmul(x, wp.data_ptr<int8_t>(), scales.data_ptr<float>(), wp.size(0), wp.size(1), out);
 #endif
   return out;
 }
@@ -872,10 +986,11 @@ struct StackLinear {
   enum Kind : int64_t { DENSE = 0, PACKED = 1, INT8 = 2, INT4 = 3 };
   int64_t kind = DENSE;
   at::Tensor w;     // dense weight | oneDNN-packed bf16 | int8 / int4 packed data
-  at::Tensor aux;   // PACKED: the skinny copy (may be empty); INT8 / INT4: scales
+  at::Tensor aux;   // PACKED: the skinny copy (bf16, or int8 with `scales`; may be empty); INT8 / INT4: scales
   at::Tensor bias;  // may be undefined
   int64_t rows = 0;   // PACKED: the most rows the skinny copy takes
   int64_t group = 0;  // INT4: input columns per scale
+  at::Tensor scales;  // PACKED with an int8 skinny copy: its float32 column scales
 
   at::Tensor operator()(const at::Tensor& x) const {
     at::Tensor y;
@@ -887,7 +1002,8 @@ struct StackLinear {
           return at::linear(x, w, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
         break;
       case PACKED:
-        y = x.size(0) <= rows ? skinny_bf16(x, aux) : onednn_linear(x.contiguous(), w);
+        if (x.size(0) > rows) y = onednn_linear(x.contiguous(), w);
+        else y = aux.scalar_type() == at::kChar ? skinny_int8(x, aux, scales) : skinny_bf16(x, aux);
         break;
       case INT8: y = at::_weight_int8pack_mm(x.to(aux.scalar_type()), w, aux); break;
       default: y = at::_weight_int4pack_mm_for_cpu(x.to(aux.scalar_type()), w, group, aux); break;
@@ -920,16 +1036,17 @@ struct DecoderStack {
                at::Tensor sin_)
       : Hq(hq), Hkv(hkv), D(d), eps(eps_), scale(scale_), final_norm(final_norm_), cos(cos_), sin(sin_) {}
 
-  // linears: (kind, w, aux, bias, rows, group) for qkv, o, gate_up, down; empty tensors stand for none
+  // linears: (kind, w, aux, bias, rows, group, scales) for qkv, o, gate_up, down; empty tensors stand for none
   void add_layer(at::Tensor in_norm, at::Tensor post_norm, std::vector<int64_t> kinds, std::vector<at::Tensor> w,
                  std::vector<at::Tensor> aux, std::vector<at::Tensor> bias, std::vector<int64_t> rows,
-                 std::vector<int64_t> group) {
+                 std::vector<int64_t> group, std::vector<at::Tensor> scales) {
     TORCH_CHECK(kinds.size() == 4 && w.size() == 4 && aux.size() == 4 && bias.size() == 4 && rows.size() == 4 &&
-                group.size() == 4, "add_layer: four linears (qkv, o, gate_up, down)");
+                group.size() == 4 && scales.size() == 4, "add_layer: four linears (qkv, o, gate_up, down)");
     StackLinear lin[4];
     for (int i = 0; i < 4; ++i) {
       TORCH_CHECK(kinds[i] >= StackLinear::DENSE && kinds[i] <= StackLinear::INT4, "unknown linear kind ", kinds[i]);
-      lin[i] = StackLinear{kinds[i], w[i], aux[i], bias[i].numel() ? bias[i] : at::Tensor(), rows[i], group[i]};
+      lin[i] = StackLinear{kinds[i], w[i], aux[i], bias[i].numel() ? bias[i] : at::Tensor(), rows[i], group[i],
+                           scales[i]};
     }
     layers.push_back(Layer{in_norm, post_norm, lin[0], lin[1], lin[2], lin[3]});
   }
@@ -988,6 +1105,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_gemv_weight", &pack_gemv_weight, "bf16 [N, K] weight into gemv_bf16's layout");
   m.def("gemv_bf16", &gemv_bf16, "x @ W^T for 1..8 bf16 rows against a packed weight (dot-product loop)");
   m.def("skinny_rows", &skinny_rows, "the most rows skinny_bf16 takes for this packed weight");
+  m.def("pack_int8_weight", &pack_int8_weight, "int8 [N, K] weight into skinny_int8's layout");
+  m.def("skinny_int8", &skinny_int8, "x @ (W * scales)^T for 0..32 bf16 rows, W int8 packed (AMX)");
   m.def("skinny_bf16", &skinny_bf16, "x @ W^T for 1..skinny_rows rows: AMX tiles, else the dot-product loop");
   m.attr("GEMV_MAX_ROWS") = GEMV_MAX_ROWS;
 }
