@@ -32,6 +32,10 @@ DEFAULT_PROMPTS = [
 # float32 engine vs float32 transformers differ by summation order only; low-precision
 # engines need looser bounds (pass --atol / --hidden-rtol)
 DEFAULT_TOL = {"float32": (1e-2, 1e-3), "bfloat16": (1.0, 0.25), "float16": (0.5, 0.1)}
+# weight-quantized serving (`-q`), any dtype: the format's own bound. Measured on SmolLM2-135M,
+# 4 prompts x 32 tokens (bf16 for comparison: max |Δlogit| 0.56-1.28, KL mean 0.001-0.002):
+# int8 1.26-1.93 (KL 0.003-0.005), int4 3.8-5.4 (KL 0.03-0.06)
+QUANT_TOL = {"int8": (3.0, 0.25), "int4": (8.0, 0.5)}
 
 
 @dataclass
@@ -227,7 +231,7 @@ def validate(model: str, *, reference: str | None = None, prompts: list[str | li
         raise ValueError("--max-tokens must be >= 1")
     model_dir = resolve_model(model)
     ref_dir = resolve_model(reference) if reference else model_dir
-    d_atol, d_rtol = DEFAULT_TOL.get(dtype, DEFAULT_TOL["float32"])
+    d_atol, d_rtol = QUANT_TOL.get(config.get("quantization") or "") or DEFAULT_TOL.get(dtype, DEFAULT_TOL["float32"])
     tol = Tolerances(atol if atol is not None else d_atol, hidden_rtol if hidden_rtol is not None else d_rtol, topk)
     prompts = list(prompts or DEFAULT_PROMPTS)
     with tempfile.TemporaryDirectory(prefix="axonserve-validate-") as tmp:
@@ -293,11 +297,14 @@ def add_validate_parser(sub: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=8, help="greedy tokens per prompt")
     p.add_argument("--report", default=None, metavar="FILE", help="write the JSON report here")
     p.add_argument("--atol", type=float, default=None,
-                   help="max |Δlogit| per token (default 1e-2 for float32, 1.0 for bfloat16)")
+                   help="max |Δlogit| per token (default 1e-2 for float32, 1.0 for bfloat16, 3 with int8, 8 with int4)")
     p.add_argument("--hidden-rtol", type=float, default=None,
-                   help="max |Δhidden|/max|hidden| per layer (default 1e-3 for float32, 0.25 for bfloat16)")
+                   help="max |Δhidden|/max|hidden| per layer (default 1e-3 for float32, 0.25 for bfloat16 and int8, "
+                        "0.5 with int4)")
     p.add_argument("--topk", type=int, default=5, help="k for top-k agreement")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--quantization", "-q", default="", choices=["", "int8", "int4"],
+                   help="serve the model weight-quantized (as `serve -q`): measures what the format costs")
     p.add_argument("--snapshot-dir", default=None, help="keep the engine's snapshots here (default: temporary)")
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--log-level", default="warning")
@@ -312,7 +319,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         rep = validate(
             args.model, reference=args.reference, prompts=load_prompts(args.prompts), max_tokens=args.max_tokens,
             dtype=args.dtype, atol=args.atol, hidden_rtol=args.hidden_rtol, topk=args.topk,
-            snapshot_dir=args.snapshot_dir, num_kv_blocks=args.num_kv_blocks, log_level=args.log_level,
+            snapshot_dir=args.snapshot_dir, num_kv_blocks=args.num_kv_blocks, quantization=args.quantization,
+            log_level=args.log_level,
             log_format=args.log_format,
         )
     except (RuntimeError, OSError) as e:
