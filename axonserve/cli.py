@@ -49,6 +49,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "bfloat16 where the CPU has native bf16, float32 checkpoints stay float32")
     p.add_argument("--quantization", "-q", default="", choices=["", "int8", "int4"],
                    help="weight-only quantization of the linear layers and LM head (approximate outputs)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="KV cache storage: auto = the model's dtype; int8 = per-(token, head) scaled codes, half "
+                        "the bytes attention reads (approximate outputs)")
     p.add_argument("--num-workers", "--tensor-parallel-size", "-tp", type=int, default=1, dest="num_workers",
                    help="worker ranks (tensor parallel over gloo)")
     p.add_argument("--enable-expert-parallel", action="store_true",
@@ -149,6 +152,7 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         max_waiting=args.max_waiting,
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         num_workers=args.num_workers,
         enable_expert_parallel=args.enable_expert_parallel,
         threads=args.threads,

@@ -87,6 +87,9 @@ def resolve_dtype(model_dir: str) -> str:
     return "bfloat16" if declared in ("bfloat16", "float16") and cpu_has_bf16() else "float32"
 
 
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
 class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str  # resolved model directory (config.json, weights, tokenizer)
     served_model_name: str = ""
@@ -108,6 +111,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     max_waiting: int = 0  # bound on queued requests (0: unbounded); beyond it -> 503
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (resolve_dtype; the CLI and LLM default)
     quantization: str = ""  # weight-only int8 | int4 (neuron/layers/quant.py); "" = as loaded
+    # KV cache storage (vLLM's --kv-cache-dtype): auto = the model's dtype; int8 = codes with a
+    # float32 scale per (token, KV head), half the bytes a decode step's attention reads
+    kv_cache_dtype: str = "auto"
     num_workers: int = 1  # worker ranks
     enable_expert_parallel: bool = False  # MoE: experts split over the ranks (else each expert is sharded)
     seed: int = 0
@@ -159,6 +165,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     def __post_init__(self) -> None:
         if self.dtype == "auto":  # resolved once here: every actor gets the concrete dtype
             self.dtype = resolve_dtype(self.model)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; supported: "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
+        if self.kv_cache_dtype == "int8" and (self.bucketing or self.role != "both"):
+            raise ValueError("an int8 KV cache is not supported with bucketing or prefill/decode disaggregation")
         if self.speculative is not None:
             self.speculative.validate()
             if self.bucketing:

@@ -16,3 +16,25 @@ def test_served_through_the_engine(tiny_llama_dir, method):
     with LLM(config=config) as llm:
         outs = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
+
+
+def test_int8_kv_cache_served_through_the_engine(tiny_llama_dir):
+    """--kv-cache-dtype int8 (with int8 weights too): requests run to their full length, and greedy
+    output starts as the bf16 cache's does (the first token reads the unquantized prompt K/V)."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7], [8, 9], list(range(10, 50))]
+    outs = {}
+    for kv in ("auto", "int8"):
+        config = EngineConfig(model=tiny_llama_dir, num_kv_blocks=64, quantization="int8", dtype="bfloat16",
+                              kv_cache_dtype=kv)
+        with LLM(config=config) as llm:
+            outs[kv] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert [len(t) for t in outs["int8"]] == [12, 12, 12]
+    assert [t[0] for t in outs["int8"]] == [t[0] for t in outs["auto"]]
+
+
+def test_kv_cache_dtype_is_checked():
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(model="m", dtype="bfloat16", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="int8 KV cache"):
+        EngineConfig(model="m", dtype="bfloat16", kv_cache_dtype="int8", role="prefill")

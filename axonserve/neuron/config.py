@@ -132,10 +132,12 @@ class ModelConfig:
         log.warning("model.max_len_capped_to_sliding_window", window=w, model_max=n)
         return w
 
-    def kv_bytes_per_token(self, dtype: str = "float32", tp_size: int = 1) -> int:
-        """K and V bytes one token occupies across all layers (on one rank)."""
+    def kv_bytes_per_token(self, dtype: str = "float32", tp_size: int = 1, kv_cache_dtype: str = "auto") -> int:
+        """K and V bytes one token occupies across all layers (on one rank); an int8 cache holds
+        a float32 scale per head beside the codes."""
         kv_heads = max(1, self.num_kv_heads // tp_size)
-        return 2 * self.num_layers * kv_heads * self.head_dim * _DTYPE_BYTES[dtype]
+        per_head = self.head_dim + 4 if kv_cache_dtype == "int8" else self.head_dim * _DTYPE_BYTES[dtype]
+        return 2 * self.num_layers * kv_heads * per_head
 
 
 def _sliding_window(cfg: dict[str, Any]) -> int | None:

@@ -170,7 +170,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ KV cache
 
     def _block_bytes(self) -> int:
-        return self.block_size * self.model_config.kv_bytes_per_token(self.config.dtype, TPInfo.size)
+        return self.block_size * self.model_config.kv_bytes_per_token(self.config.dtype, TPInfo.size,
+                                                                      self.config.kv_cache_dtype)
 
     def _auto_num_blocks(self) -> int:
         budget = self.config.kv_cache_memory_fraction * mem_available_bytes()
@@ -179,12 +180,17 @@ class ModelRunner:
             raise RuntimeError(f"KV cache budget {budget / 2**20:.0f} MiB holds no {self._block_bytes()}-byte block")
         return n
 
-    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Zeroed (never NaN garbage: masked slots still enter the attention matmul)."""
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, ...]]:
+        """Zeroed (never NaN garbage: masked slots still enter the attention matmul). Per layer
+        (K, V), or with an int8 cache (K codes, V codes, K scales, V scales)."""
         mc = self.model_config
         kv_heads = max(1, mc.num_kv_heads // TPInfo.size)
         shape = (num_blocks, self.block_size, kv_heads, mc.head_dim)
-        log.info("kv_cache.allocate", blocks=num_blocks, mib=round(num_blocks * self._block_bytes() / 2**20, 1))
+        log.info("kv_cache.allocate", blocks=num_blocks, mib=round(num_blocks * self._block_bytes() / 2**20, 1),
+                 dtype=self.config.kv_cache_dtype)
+        if self.config.kv_cache_dtype == "int8":
+            return [(torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8),
+                     torch.zeros(shape[:3]), torch.zeros(shape[:3])) for _ in range(mc.num_layers)]
         return [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)) for _ in range(mc.num_layers)]
 
     # ------------------------------------------------------------------ warm-up

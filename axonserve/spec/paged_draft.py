@@ -56,7 +56,7 @@ class PagedDrafter:
         self.max_rows = max_rows
         shape = (num_blocks + max_rows, block_size, c.num_kv_heads, c.head_dim)
         self.k, self.v = torch.zeros(shape, dtype=dt), torch.zeros(shape, dtype=dt)
-        self.stack.set_caches([self.k], [self.v])
+        self.stack.set_caches([self.k], [self.v], [], [])
 
     @classmethod
     def maybe(cls, head: EagleHead, num_blocks: int, block_size: int, max_rows: int,

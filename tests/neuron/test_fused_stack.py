@@ -33,13 +33,17 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
             for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")}
 
 
-def _run(model, dtype, monkeypatch, on: bool, reset: bool = True
+def _run(model, dtype, monkeypatch, on: bool, reset: bool = True, kv_int8: bool = False
          ) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
     """Hidden states of every step and the caches after them (fresh ones); whether the stack ran."""
     monkeypatch.setenv("AXONSERVE_FUSED", "1" if on else "0")
     cfg = model.config
-    caches = [(torch.zeros(64, BS, cfg.num_kv_heads, cfg.head_dim, dtype=dtype),
-               torch.zeros(64, BS, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)) for _ in range(cfg.num_layers)]
+    shape = (64, BS, cfg.num_kv_heads, cfg.head_dim)
+    if kv_int8:  # --kv-cache-dtype int8: codes and their scales
+        caches = [(torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8),
+                   torch.zeros(shape[:3]), torch.zeros(shape[:3])) for _ in range(cfg.num_layers)]
+    else:
+        caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
     tables = [list(range(i * 16, (i + 1) * 16)) for i in range(4)]
     gen = torch.Generator().manual_seed(0)
     outs, used = [], False
@@ -55,26 +59,28 @@ def _run(model, dtype, monkeypatch, on: bool, reset: bool = True
     return outs, [t for kv in caches for t in kv], used
 
 
-@pytest.mark.parametrize("dtype,quantization,pack", [
-    (torch.float32, "", False),
-    (torch.bfloat16, "", False),  # dense bf16: one row through mv
-    (torch.bfloat16, "", True),  # oneDNN-packed, and the skinny (AMX / dot-product) copy where the CPU has one
-    (torch.bfloat16, "int8", False),
-    (torch.bfloat16, "int4", False),
+@pytest.mark.parametrize("dtype,quantization,pack,kv_int8", [
+    (torch.float32, "", False, False),
+    (torch.bfloat16, "", False, False),  # dense bf16: one row through mv
+    (torch.bfloat16, "", True, False),  # oneDNN-packed, and the skinny (AMX / dot-product) copy where the CPU has one
+    (torch.bfloat16, "int8", False, False),
+    (torch.bfloat16, "int4", False, False),
+    (torch.bfloat16, "", True, True),  # --kv-cache-dtype int8
+    (torch.float32, "", False, True),
 ])
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])  # Qwen2: q/k/v biases
-def test_stack_equals_the_python_modules(model_dirs, arch, dtype, quantization, pack, monkeypatch):
+def test_stack_equals_the_python_modules(model_dirs, arch, dtype, quantization, pack, kv_int8, monkeypatch):
     mc = ModelConfig.from_dir(model_dirs[arch])
     model = load_model(mc, dtype, progress=False, quantization=quantization, pack=pack)
     if quantization == "int8" and native.kernels().skinny_rows(native.kernels().pack_int8_weight(
             torch.zeros(16, 32, dtype=torch.int8))):  # AMX: int8 decode batches take the int8 tiles
         assert model.model.layers[0].mlp.down_proj.qweight.skinny is not None
-    want, want_caches, used = _run(model, dtype, monkeypatch, on=False)
+    want, want_caches, used = _run(model, dtype, monkeypatch, on=False, kv_int8=kv_int8)
     assert not used
-    got, got_caches, used = _run(model, dtype, monkeypatch, on=True)
+    got, got_caches, used = _run(model, dtype, monkeypatch, on=True, kv_int8=kv_int8)
     assert used, "the native stack did not run"
     # new caches for the same model: the stack is rebuilt over them (not left on the old ones)
-    again, again_caches, _ = _run(model, dtype, monkeypatch, on=True, reset=False)
+    again, again_caches, _ = _run(model, dtype, monkeypatch, on=True, reset=False, kv_int8=kv_int8)
     assert all(torch.equal(a, b) for a, b in zip(again, got)) and all(t.any() for t in again_caches)
     for step, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"step {step}: max diff {(a.float() - b.float()).abs().max()}"

@@ -123,6 +123,58 @@ def test_paged_attention_mixed_batch(dtype, head_dim, long, far, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 24])  # vector path, scalar path
+def test_rotary_write_into_an_int8_cache_quantizes_like_torch(dtype, head_dim):
+    """`--kv-cache-dtype int8`: the kernel's codes and scales are attention.quantize_kv's, bit for
+    bit (an all-zero row gets code 0 and the floor scale)."""
+    g = _gen(5)
+    hq, hkv, t = 6, 2, 40
+    rot = RotaryEmbedding(head_dim, 512, 10000.0, None, dtype)
+    qkv = torch.randn(t, hq + 2 * hkv, head_dim, generator=g).to(dtype) * 3
+    qkv[7, hq + hkv] = 0  # a zero V row
+    pos, slots = torch.arange(t) * 3, torch.randperm(16 * 16, generator=g)[:t]
+    kc, vc = torch.zeros(16, 16, hkv, head_dim, dtype=torch.int8), torch.zeros(16, 16, hkv, head_dim, dtype=torch.int8)
+    ks, vs = torch.zeros(16, 16, hkv), torch.zeros(16, 16, hkv)
+    got = qkv.clone()
+    K.rotary_kv_write(got, hq, hkv, rot.cos, rot.sin, pos, kc, vc, slots, ks, vs)
+    for codes, scales, x in ((kc, ks, got[:, hq : hq + hkv]), (vc, vs, got[:, hq + hkv :])):
+        want_codes, want_scales = attention.quantize_kv(x)
+        assert torch.equal(codes.view(-1, hkv, head_dim)[slots], want_codes)
+        assert torch.equal(scales.view(-1, hkv)[slots], want_scales)
+    assert vc.view(-1, hkv, head_dim)[slots[7], 0].eq(0).all() and vs.view(-1, hkv)[slots[7], 0] == 1e-30
+    err = (attention.quantize_kv(qkv)[0].float() * attention.quantize_kv(qkv)[1][..., None] - qkv.float()).abs()
+    assert (err <= qkv.float().abs().amax(-1, keepdim=True) / 254 * 1.001).all()  # half a code step
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_paged_attention_over_an_int8_cache(dtype, head_dim):
+    """Decodes, short chunks and a prefill with a context over int8 K/V: the native kernel (codes x
+    scales inside) against the torch path (dequantized blocks into SDPA), and both near attention
+    over the unquantized cache."""
+    g = _gen(6)
+    bs, blocks, hkv, hq = 4, 256, 2, 6
+    seqs = [(1, 0), (1, 12), (1, 33), (1, 300), (3, 9), (5, 17), (30, 6), (2, 3)]
+    tables = random_block_tables(seqs, bs, blocks, g)
+    args = ([q for q, _ in seqs], [c for _, c in seqs], tables, bs)
+    t = sum(q for q, _ in seqs)
+    q, k, v = (torch.randn(t, h, head_dim, generator=g).to(dtype) for h in (hq, hkv, hkv))
+    k_full = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(dtype)
+    v_full = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(dtype)
+    (kc, ks), (vc, vs) = attention.quantize_kv(k_full), attention.quantize_kv(v_full)
+    scale = head_dim**-0.5
+    caches = [(kc.clone(), vc.clone(), ks.clone(), vs.clone()) for _ in range(2)]
+    got = paged_attention(q, k, v, *caches[0][:2], AttentionMetadata.build(*args, native=K), scale, True,
+                          *caches[0][2:])
+    ref = paged_attention(q, k, v, *caches[1][:2], AttentionMetadata.build(*args), scale, True, *caches[1][2:])
+    assert all(torch.equal(a, b) for a, b in zip(*caches))  # the same codes written by both paths
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=1.6e-2, rtol=1.6e-2)
+    torch.testing.assert_close(got, ref, **tol)
+    full = paged_attention(q, k, v, k_full, v_full, AttentionMetadata.build(*args), scale)
+    assert (got.float() - full.float()).abs().max() < 0.05  # int8 codes: within a few percent of the inputs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_argmax_rows_first_index_of_ties(dtype):
     g = _gen(4)
     x = torch.randint(0, 5, (16, 49157), generator=g).to(dtype)  # many ties

@@ -37,15 +37,16 @@ def takes(meta: AttentionMetadata, x: torch.Tensor) -> bool:
     return meta.native is not None and not meta.prefills and meta.native_idx is None and x.dim() == 2
 
 
-def cache_key(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, ...]:
+def cache_key(kv_caches: list[tuple[torch.Tensor, ...]]) -> tuple[int, ...]:
     """Which caches a stack was built over: their addresses, which no other tensor can take while
     the stack holds them (a list's id could come back for another list)."""
     return (len(kv_caches), kv_caches[0][0].data_ptr(), kv_caches[-1][1].data_ptr()) if kv_caches else (0,)
 
 
-def build(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], native: Any) -> Any | None:
-    """A native DecoderStack over the model's weights and these caches, or None where the model
-    has a part only the Python modules run."""
+def build(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, ...]], native: Any) -> Any | None:
+    """A native DecoderStack over the model's weights and these caches ((K, V) per layer, or an int8
+    cache's (K codes, V codes, K scales, V scales)), or None where the model has a part only the
+    Python modules run."""
     from axonserve.neuron.models.llama import LlamaMLP
 
     if TPInfo.size != 1 or not hasattr(native, "DecoderStack") or len(kv_caches) != len(model.layers):
@@ -62,7 +63,8 @@ def build(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if not add_layer(stack, layer.input_layernorm.weight, layer.post_attention_layernorm.weight, parts):
             return None
-    stack.set_caches([k for k, _ in kv_caches], [v for _, v in kv_caches])
+    stack.set_caches(*([kv[i] for kv in kv_caches] for i in range(4)) if len(kv_caches[0]) == 4
+                     else ([kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], [], []))
     return stack
 
 

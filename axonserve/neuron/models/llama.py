@@ -31,7 +31,7 @@ from axonserve.neuron.models import fused
 from axonserve.neuron.layers.rotary import RotaryEmbedding, apply_rotary
 from axonserve.neuron.ops.attention import AttentionMetadata, paged_attention
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+KVCache = tuple[torch.Tensor, ...]  # (K, V), or with an int8 cache (K codes, V codes, K scales, V scales)
 
 
 class LlamaAttention(nn.Module):
@@ -62,12 +62,13 @@ class LlamaAttention(nn.Module):
                 qkv[:, : hq + hkv] = qk
             qkv = qkv.contiguous()
             meta.native.rotary_kv_write(qkv, hq, hkv, cos, sin, meta.positions, kv_cache[0], kv_cache[1],
-                                        meta.slot_mapping)
+                                        meta.slot_mapping, *kv_cache[2:])
             o = paged_attention(qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :], kv_cache[0], kv_cache[1],
-                                meta, self.scale, write_cache=False)
+                                meta, self.scale, False, *kv_cache[2:])
         else:
             qk = apply_rotary(qk, cos, sin)
-            o = paged_attention(qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :], kv_cache[0], kv_cache[1], meta, self.scale)
+            o = paged_attention(qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :], kv_cache[0], kv_cache[1], meta, self.scale,
+                                True, *kv_cache[2:])
         return self.o_proj(o.view(t, -1))
 
 

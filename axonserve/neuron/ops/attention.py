@@ -188,9 +188,23 @@ def build_static(
     return meta, src, last
 
 
-def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Whole blocks as contiguous rows: index_select on a 2-D view is ~2x faster than fancy indexing."""
-    return cache.view(cache.shape[0], -1).index_select(0, block_ids)
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] rows for an int8 KV cache: codes round(x / s), s = max|x| / 127 (at least 1e-30),
+    float32 scales [...]; the native rotary_kv_write computes the same bits."""
+    xf = x.float()
+    s = (xf.abs().amax(-1) / 127).clamp_min(1e-30)
+    return (xf / s[..., None]).clamp(-127, 127).round().to(torch.int8), s
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, scales: torch.Tensor | None = None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Whole blocks as contiguous rows: index_select on a 2-D view is ~2x faster than fancy indexing.
+    An int8 cache comes back dequantized (codes x their row's scale) in `dtype`."""
+    rows = cache.view(cache.shape[0], -1).index_select(0, block_ids)
+    if scales is None:
+        return rows
+    s = scales.view(scales.shape[0], -1).index_select(0, block_ids)
+    return (rows.view(*s.shape, -1).float() * s[..., None]).to(dtype).view(rows.shape)
 
 
 def paged_attention(
@@ -202,13 +216,21 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     write_cache: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens, written into the caches first unless
-    the caller did (the fused rotary kernel). Returns [T, Hq, D]."""
+    the caller did (the fused rotary kernel). Returns [T, Hq, D]. k_scale / v_scale: an int8
+    cache's float32 scales [blocks, block_size, Hkv] (`--kv-cache-dtype int8`)."""
     _, bs, hkv, d = k_cache.shape
     if write_cache:
-        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+        for x, cache, sc in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+            if sc is None:
+                cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, x)
+            else:
+                codes, s = quantize_kv(x)
+                cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, codes)
+                sc.view(-1, hkv).index_copy_(0, meta.slot_mapping, s)
     hq, nd = q.shape[1], meta.num_decodes
     if meta.native is not None:
         out = torch.empty(q.shape, dtype=q.dtype)
@@ -217,16 +239,16 @@ def paged_attention(
             qn = q if idx is None else q.index_select(0, idx)
             on = out if idx is None else torch.empty(qn.shape, dtype=q.dtype)
             meta.native.paged_attention(on, qn, k_cache, v_cache, meta.native_block_table,
-                                        meta.native_row_seq, meta.native_row_kv_len, scale)
+                                        meta.native_row_seq, meta.native_row_kv_len, scale, k_scale, v_scale)
             if idx is not None:
                 out.index_copy_(0, idx, on)
-        _prefills(q, k, v, k_cache, v_cache, meta, scale, out)
+        _prefills(q, k, v, k_cache, v_cache, meta, scale, out, k_scale, v_scale)
         return out
     if meta.static_prefill is not None:
         nb, nq = meta.static_prefill
         bt = meta.prefill_block_table.view(-1)  # type: ignore[union-attr]
-        kp = _gather_blocks(k_cache, bt).view(nb, -1, hkv, d).transpose(1, 2)
-        vp = _gather_blocks(v_cache, bt).view(nb, -1, hkv, d).transpose(1, 2)
+        kp = _gather_blocks(k_cache, bt, k_scale, q.dtype).view(nb, -1, hkv, d).transpose(1, 2)
+        vp = _gather_blocks(v_cache, bt, v_scale, q.dtype).view(nb, -1, hkv, d).transpose(1, 2)
         qp = q.view(nb, nq, hq, d).transpose(1, 2)
         op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.prefill_mask, scale=scale, enable_gqa=True)
         return op.transpose(1, 2).reshape(nb * nq, hq, d)
@@ -236,8 +258,8 @@ def paged_attention(
         # so GQA needs no K/V repeat and one SDPA call covers the whole decode batch.
         qd = q[:nd].view(nd, hkv, hq // hkv, d)
         bt = meta.decode_block_table.view(-1)  # type: ignore[union-attr]
-        kd = _gather_blocks(k_cache, bt).view(nd, -1, hkv, d).transpose(1, 2)
-        vd = _gather_blocks(v_cache, bt).view(nd, -1, hkv, d).transpose(1, 2)
+        kd = _gather_blocks(k_cache, bt, k_scale, q.dtype).view(nd, -1, hkv, d).transpose(1, 2)
+        vd = _gather_blocks(v_cache, bt, v_scale, q.dtype).view(nd, -1, hkv, d).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
         if out is None:
             return od.reshape(nd, hq, d)
@@ -249,17 +271,18 @@ def paged_attention(
         grp = hq // hkv
         qg = q[nd : nd + ns * qs].view(ns, qs, hkv, grp, d).permute(0, 2, 1, 3, 4).reshape(ns, hkv, qs * grp, d)
         bt = meta.short_block_table.view(-1)  # type: ignore[union-attr]
-        kg = _gather_blocks(k_cache, bt).view(ns, -1, hkv, d).transpose(1, 2)
-        vg = _gather_blocks(v_cache, bt).view(ns, -1, hkv, d).transpose(1, 2)
+        kg = _gather_blocks(k_cache, bt, k_scale, q.dtype).view(ns, -1, hkv, d).transpose(1, 2)
+        vg = _gather_blocks(v_cache, bt, v_scale, q.dtype).view(ns, -1, hkv, d).transpose(1, 2)
         mask = meta.short_mask.repeat_interleave(grp, dim=1)[:, None]  # type: ignore[union-attr]
         og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
         out[nd : nd + ns * qs] = og.view(ns, hkv, qs, grp, d).permute(0, 2, 1, 3, 4).reshape(ns * qs, hq, d)
-    _prefills(q, k, v, k_cache, v_cache, meta, scale, out)  # type: ignore[arg-type]
+    _prefills(q, k, v, k_cache, v_cache, meta, scale, out, k_scale, v_scale)  # type: ignore[arg-type]
     return out  # type: ignore[return-value]
 
 
-def _prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-              v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+def _prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              meta: AttentionMetadata, scale: float, out: torch.Tensor, k_scale: torch.Tensor | None = None,
+              v_scale: torch.Tensor | None = None) -> None:
     """The prefill chunks, one SDPA each (a first chunk attends to its own new K/V directly).
     Inputs are 4-D ([1, heads, tokens, D]): torch's CPU SDPA takes its flash kernel only then, and
     its math path for 3-D inputs (a 1,024-token chunk: 2.9 vs 56 ms per layer)."""
@@ -271,7 +294,7 @@ def _prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
         else:
             kv_len = p.mask.shape[1]  # type: ignore[union-attr]
-            kp = _gather_blocks(k_cache, p.block_ids).view(-1, hkv, d)[:kv_len].transpose(0, 1)[None]
-            vp = _gather_blocks(v_cache, p.block_ids).view(-1, hkv, d)[:kv_len].transpose(0, 1)[None]
+            kp = _gather_blocks(k_cache, p.block_ids, k_scale, q.dtype).view(-1, hkv, d)[:kv_len].transpose(0, 1)[None]
+            vp = _gather_blocks(v_cache, p.block_ids, v_scale, q.dtype).view(-1, hkv, d)[:kv_len].transpose(0, 1)[None]
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=True)
         out[p.start : p.end] = op[0].transpose(0, 1)

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__linux__)
@@ -29,6 +30,7 @@ namespace {
 using bf16 = c10::BFloat16;
 
 inline float to_f(float x) { return x; }
+inline float to_f(int8_t x) { return float(x); }
 inline float to_f(bf16 x) { uint32_t u = uint32_t(x.x) << 16; float f; std::memcpy(&f, &u, 4); return f; }
 
 template <typename T> inline T from_f(float x);
@@ -43,6 +45,9 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16* p) {
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(bf16* p, __m512 v) {
@@ -170,6 +175,7 @@ struct AttnArgs {
   int64_t R, Hq, D, bs, Hkv, G, q_rs, q_hs, o_rs, o_hs, W;
   const int64_t *bt, *seq, *kvl;
   float scale;
+  const float *ks = nullptr, *vs = nullptr;  // int8 caches: scale per (slot, KV head)
 };
 
 // element offset of each key row (same for K and V): walks the block table without a division per key
@@ -187,15 +193,20 @@ inline void key_offsets(const AttnArgs& a, int64_t r, int64_t h, std::vector<int
 // a block of 16 keys is widened to float32 once (in L1) and scored against every query head,
 // and each value row is widened once and accumulated into up to GC heads' outputs in registers
 // (bf16 widening otherwise costs as much as the FMAs, G times over).
-template <typename T, int ND>
-void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const T* kc, const T* vc, int64_t r, int64_t h,
+template <typename T, typename C, int ND>
+void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const C* kc, const C* vc, int64_t r, int64_t h,
                      std::vector<float>& scores, std::vector<int64_t>& off) {
 #ifdef AXON_AVX512
   constexpr int D = 16 * ND, GC = ND >= 16 ? 1 : 16 / ND;  // GC * ND accumulators <= 16 registers
+  constexpr bool Q8 = std::is_same_v<C, int8_t>;  // int8 cache: a float32 scale per (slot, head)
   const int64_t G = a.G, L = a.kvl[r];
   key_offsets(a, r, h, off);
-  scores.resize(G * L + G * D);
+  scores.resize(G * L + G * D + (Q8 ? 2 * L : 0));
   float* qs = scores.data() + G * L;  // the G query rows, scaled, as float32
+  float* ksc = qs + G * D;  // Q8: the keys' and values' scales, in key order
+  float* vsc = ksc + L;
+  if constexpr (Q8)
+    for (int64_t t = 0; t < L; ++t) { ksc[t] = a.ks[off[t] / D]; vsc[t] = a.vs[off[t] / D]; }
   for (int64_t g = 0; g < G; ++g) {
     const T* qg = qp + r * a.q_rs + (h * G + g) * a.q_hs;
     for (int c = 0; c < ND; ++c)
@@ -205,8 +216,8 @@ void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const T* kc, const T
   // the keys sit in blocks scattered over the cache, a row of one head every Hkv * D elements: too
   // short a run for the hardware prefetcher, so each block's successor keys and this block's values
   // are requested while its scores are computed (cache-cold, 32 rows x 100 keys: ~300 -> ~190 us)
-  constexpr int64_t LINE = 64 / sizeof(T), ROW_LINES = (D + LINE - 1) / LINE;
-  auto prefetch_rows = [&](const T* base, int64_t t0, int64_t t1) {
+  constexpr int64_t LINE = 64 / sizeof(C), ROW_LINES = (D + LINE - 1) / LINE;
+  auto prefetch_rows = [&](const C* base, int64_t t0, int64_t t1) {
     for (int64_t i = t0; i < t1; ++i)
       for (int64_t c = 0; c < ROW_LINES; ++c) _mm_prefetch(reinterpret_cast<const char*>(base + off[i] + c * LINE), _MM_HINT_T0);
   };
@@ -227,17 +238,21 @@ void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const T* kc, const T
           acc[i] = _mm512_mul_ps(q[0], _mm512_load_ps(kb + i * D));
           for (int c = 1; c < ND; ++c) acc[i] = _mm512_fmadd_ps(q[c], _mm512_load_ps(kb + i * D + 16 * c), acc[i]);
         }
-        _mm512_storeu_ps(sg + t, reduce16x16(acc));
+        const __m512 dots = reduce16x16(acc);
+        _mm512_storeu_ps(sg + t, Q8 ? _mm512_mul_ps(dots, _mm512_loadu_ps(ksc + t)) : dots);
       } else {
         for (int64_t i = 0; i < nk; ++i) {
           __m512 acc = _mm512_mul_ps(q[0], _mm512_load_ps(kb + i * D));
           for (int c = 1; c < ND; ++c) acc = _mm512_fmadd_ps(q[c], _mm512_load_ps(kb + i * D + 16 * c), acc);
-          sg[t + i] = _mm512_reduce_add_ps(acc);
+          sg[t + i] = _mm512_reduce_add_ps(acc) * (Q8 ? ksc[t + i] : 1.0f);
         }
       }
     }
   }
   for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * L, L);
+  if constexpr (Q8)  // each value's scale goes into its probability
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t t = 0; t < L; ++t) scores[g * L + t] *= vsc[t];
   for (int64_t g0 = 0; g0 < G; g0 += GC) {
     const int64_t gn = std::min<int64_t>(GC, G - g0);
     __m512 acc[GC][ND];
@@ -246,7 +261,7 @@ void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const T* kc, const T
     const float* s0 = scores.data() + g0 * L;
     for (int64_t t = 0; t < L; ++t) {
       __m512 v[ND];
-      const T* vp = vc + off[t];
+      const C* vp = vc + off[t];
       for (int c = 0; c < ND; ++c) v[c] = load16(vp + 16 * c);
       for (int gi = 0; gi < GC; ++gi) {
         if (gi >= gn) break;
@@ -262,9 +277,10 @@ void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const T* kc, const T
 #endif
 }
 
-template <typename T>
-void attend_item_scalar(const AttnArgs& a, const T* qp, T* op, const T* kc, const T* vc, int64_t r, int64_t h,
+template <typename T, typename C>
+void attend_item_scalar(const AttnArgs& a, const T* qp, T* op, const C* kc, const C* vc, int64_t r, int64_t h,
                         std::vector<float>& scores, std::vector<int64_t>& off) {
+  constexpr bool Q8 = std::is_same_v<C, int8_t>;
   const int64_t G = a.G, L = a.kvl[r], D = a.D;
   key_offsets(a, r, h, off);
   scores.resize(G * L);
@@ -273,42 +289,43 @@ void attend_item_scalar(const AttnArgs& a, const T* qp, T* op, const T* kc, cons
     const T* qg = qp + r * a.q_rs + (h * G + g) * a.q_hs;
     float* sg = scores.data() + g * L;
     for (int64_t t = 0; t < L; ++t) {
-      const T* kp = kc + off[t];
+      const C* kp = kc + off[t];
       float s = 0.f;
       for (int64_t j = 0; j < D; ++j) s += to_f(qg[j]) * a.scale * to_f(kp[j]);
-      sg[t] = s;
+      sg[t] = Q8 ? s * a.ks[off[t] / D] : s;
     }
     float m = -INFINITY, sum = 0.f;
     for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
     for (int64_t t = 0; t < L; ++t) { sg[t] = std::exp(sg[t] - m); sum += sg[t]; }
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t t = 0; t < L; ++t) {
-      const T* vp = vc + off[t];
-      for (int64_t j = 0; j < D; ++j) acc[j] += sg[t] * to_f(vp[j]);
+      const C* vp = vc + off[t];
+      const float p = Q8 ? sg[t] * a.vs[off[t] / D] : sg[t];
+      for (int64_t j = 0; j < D; ++j) acc[j] += p * to_f(vp[j]);
     }
     T* o = op + r * a.o_rs + (h * G + g) * a.o_hs;
     for (int64_t j = 0; j < D; ++j) o[j] = from_f<T>(acc[j] / sum);
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& block_table, const at::Tensor& row_seq, const at::Tensor& row_kv_len,
-                          double scale) {
+                          double scale, const float* ks, const float* vs) {
   AttnArgs a{q.size(0), q.size(1), q.size(2), k_cache.size(1), k_cache.size(2), q.size(1) / k_cache.size(2),
              q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.size(1),
              block_table.data_ptr<int64_t>(), row_seq.data_ptr<int64_t>(), row_kv_len.data_ptr<int64_t>(),
-             static_cast<float>(scale)};
+             static_cast<float>(scale), ks, vs};
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const T* kc = k_cache.data_ptr<T>();
-  const T* vc = v_cache.data_ptr<T>();
-  auto item_fn = &attend_item_scalar<T>;
+  const C* kc = static_cast<const C*>(k_cache.data_ptr());
+  const C* vc = static_cast<const C*>(v_cache.data_ptr());
+  auto item_fn = &attend_item_scalar<T, C>;
 #ifdef AXON_AVX512
-  if (a.D == 64) item_fn = &attend_item_vec<T, 4>;
-  else if (a.D == 128) item_fn = &attend_item_vec<T, 8>;
-  else if (a.D == 32) item_fn = &attend_item_vec<T, 2>;
-  else if (a.D == 256) item_fn = &attend_item_vec<T, 16>;
+  if (a.D == 64) item_fn = &attend_item_vec<T, C, 4>;
+  else if (a.D == 128) item_fn = &attend_item_vec<T, C, 8>;
+  else if (a.D == 32) item_fn = &attend_item_vec<T, C, 2>;
+  else if (a.D == 256) item_fn = &attend_item_vec<T, C, 16>;
 #endif
   int64_t keys = 0;  // total keys read: a small call (one short decode) stays on this thread
   for (int64_t r = 0; r < a.R; ++r) keys += a.kvl[r];
@@ -322,29 +339,77 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   });
 }
 
+// An int8 KV cache (`--kv-cache-dtype int8`) holds each (slot, KV head) row as int8 codes times a
+// float32 scale, k_scale / v_scale [blocks, block_size, Hkv]: half the bytes a decode step reads.
+void check_cache_scales(const at::Tensor& cache, const c10::optional<at::Tensor>& scale) {
+  if (cache.scalar_type() != at::kChar) {
+    TORCH_CHECK(!scale.has_value() || !scale->defined(), "scales are for an int8 cache");
+    return;
+  }
+  TORCH_CHECK(scale.has_value() && scale->defined() && scale->scalar_type() == at::kFloat && scale->is_contiguous() &&
+              scale->numel() * cache.size(3) == cache.numel(), "an int8 cache needs its float32 [blocks, block, Hkv] scales");
+}
+
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
-                     at::Tensor row_seq, at::Tensor row_kv_len, double scale) {
+                     at::Tensor row_seq, at::Tensor row_kv_len, double scale, c10::optional<at::Tensor> k_scale,
+                     c10::optional<at::Tensor> v_scale) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.stride(2) == 1, "q/out: [rows, heads, head_dim], last dim dense");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_table.is_contiguous(), "contiguous caches");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "one dtype");
-  by_dtype(q.scalar_type(), "paged_attention", [&](auto tag) { paged_attention_impl<decltype(tag)>(out, q, k_cache, v_cache, block_table, row_seq, row_kv_len, scale); });
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(), "one dtype");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() || k_cache.scalar_type() == at::kChar, "cache: q's dtype or int8");
+  check_cache_scales(k_cache, k_scale);
+  check_cache_scales(v_cache, v_scale);
+  const bool q8 = k_cache.scalar_type() == at::kChar;
+  const float* ks = q8 ? k_scale->data_ptr<float>() : nullptr;
+  const float* vs = q8 ? v_scale->data_ptr<float>() : nullptr;
+  by_dtype(q.scalar_type(), "paged_attention", [&](auto tag) {
+    using T = decltype(tag);
+    if (q8) paged_attention_impl<T, int8_t>(out, q, k_cache, v_cache, block_table, row_seq, row_kv_len, scale, ks, vs);
+    else paged_attention_impl<T, T>(out, q, k_cache, v_cache, block_table, row_seq, row_kv_len, scale, ks, vs);
+  });
 }
 
 // ------------------------------------------------------------------ rotary + KV-cache write
 // qkv: [T, Hq + 2 Hkv, D] (contiguous). Rotates the Q and K heads in place with the half-split
 // layout (cos, signed sin tables indexed by position: x*cos + roll(x, D/2)*sin, each product rounded
 // to T like torch's ops), then writes the rotated K heads and the V heads into their cache slots.
+// One (slot, KV head) row into an int8 cache: codes round(x / s) with s = max|x| / 127 (at least
+// 1e-30), exactly as attention.py's quantize_kv computes them.
+template <typename T>
+inline void quantize_row(const T* x, int64_t D, int8_t* q, float* scale) {
+#ifdef AXON_AVX512
+  if (D % 16 == 0 && D <= 256) {  // the same arithmetic on 16 lanes (IEEE division, round to nearest even)
+    __m512 v[16], m = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D / 16; ++c) m = _mm512_max_ps(m, _mm512_abs_ps(v[c] = load16(x + 16 * c)));
+    const float s = std::max(_mm512_reduce_max_ps(m) / 127.0f, 1e-30f);
+    const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+    for (int64_t c = 0; c < D / 16; ++c) {
+      const __m512 y = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_div_ps(v[c], sv)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * c), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(y)));
+    }
+    *scale = s;
+    return;
+  }
+#endif
+  float amax = 0.f;
+  for (int64_t j = 0; j < D; ++j) amax = std::max(amax, std::fabs(to_f(x[j])));
+  const float s = std::max(amax / 127.0f, 1e-30f);
+  for (int64_t j = 0; j < D; ++j) q[j] = int8_t(std::nearbyint(std::min(127.f, std::max(-127.f, to_f(x[j]) / s))));
+  *scale = s;
+}
+
 template <typename T>
 void rotary_kv_impl(at::Tensor& qkv, int64_t Hq, int64_t Hkv, const at::Tensor& cos, const at::Tensor& sin,
-                    const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
+                    const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+                    float* ks, float* vs) {
   const int64_t Tn = qkv.size(0), D = qkv.size(2), half = D / 2, H = Hq + 2 * Hkv;
   T* x = qkv.data_ptr<T>();
   const T* ct = cos.data_ptr<T>();
   const T* st = sin.data_ptr<T>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* sl = slots.data_ptr<int64_t>();
-  T* kc = k_cache.data_ptr<T>();
-  T* vc = v_cache.data_ptr<T>();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
   at::parallel_for(0, Tn, serial_grain((Hq + Hkv) * D, 16), [&](int64_t begin, int64_t end) {
     std::vector<float> row(D);
     for (int64_t t = begin; t < end; ++t) {
@@ -373,17 +438,33 @@ void rotary_kv_impl(at::Tensor& qkv, int64_t Hq, int64_t Hkv, const at::Tensor& 
         }
       }
       if (sl[t] < 0) continue;
-      std::memcpy(kc + sl[t] * Hkv * D, x + (t * H + Hq) * D, Hkv * D * sizeof(T));
-      std::memcpy(vc + sl[t] * Hkv * D, x + (t * H + Hq + Hkv) * D, Hkv * D * sizeof(T));
+      if (ks) {  // int8 cache
+        for (int64_t hh = 0; hh < Hkv; ++hh) {
+          const int64_t row = sl[t] * Hkv + hh;
+          quantize_row(x + (t * H + Hq + hh) * D, D, reinterpret_cast<int8_t*>(kc) + row * D, ks + row);
+          quantize_row(x + (t * H + Hq + Hkv + hh) * D, D, reinterpret_cast<int8_t*>(vc) + row * D, vs + row);
+        }
+        continue;
+      }
+      std::memcpy(kc + sl[t] * Hkv * D * sizeof(T), x + (t * H + Hq) * D, Hkv * D * sizeof(T));
+      std::memcpy(vc + sl[t] * Hkv * D * sizeof(T), x + (t * H + Hq + Hkv) * D, Hkv * D * sizeof(T));
     }
   });
 }
 
 void rotary_kv_write(at::Tensor qkv, int64_t Hq, int64_t Hkv, at::Tensor cos, at::Tensor sin, at::Tensor positions,
-                     at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots) {
+                     at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots, c10::optional<at::Tensor> k_scale,
+                     c10::optional<at::Tensor> v_scale) {
   TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(), "contiguous qkv and tables");
-  TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && qkv.scalar_type() == k_cache.scalar_type(), "one dtype");
-  by_dtype(qkv.scalar_type(), "rotary_kv_write", [&](auto tag) { rotary_kv_impl<decltype(tag)>(qkv, Hq, Hkv, cos, sin, positions, k_cache, v_cache, slots); });
+  TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
+              (qkv.scalar_type() == k_cache.scalar_type() || k_cache.scalar_type() == at::kChar), "one dtype (or int8 caches)");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
+  check_cache_scales(k_cache, k_scale);
+  check_cache_scales(v_cache, v_scale);
+  const bool q8 = k_cache.scalar_type() == at::kChar;
+  float* ks = q8 ? k_scale->data_ptr<float>() : nullptr;
+  float* vs = q8 ? v_scale->data_ptr<float>() : nullptr;
+  by_dtype(qkv.scalar_type(), "rotary_kv_write", [&](auto tag) { rotary_kv_impl<decltype(tag)>(qkv, Hq, Hkv, cos, sin, positions, k_cache, v_cache, slots, ks, vs); });
 }
 
 // ------------------------------------------------------------------ (add +) RMSNorm
@@ -1031,6 +1112,7 @@ struct DecoderStack {
   at::Tensor final_norm, cos, sin;
   std::vector<Layer> layers;
   std::vector<at::Tensor> k_caches, v_caches;
+  std::vector<c10::optional<at::Tensor>> k_scales, v_scales;  // int8 caches' scales (else none)
 
   DecoderStack(int64_t hq, int64_t hkv, int64_t d, double eps_, double scale_, at::Tensor final_norm_, at::Tensor cos_,
                at::Tensor sin_)
@@ -1051,10 +1133,16 @@ struct DecoderStack {
     layers.push_back(Layer{in_norm, post_norm, lin[0], lin[1], lin[2], lin[3]});
   }
 
-  void set_caches(std::vector<at::Tensor> k, std::vector<at::Tensor> v) {
+  // ks / vs: each int8 cache's scales (empty lists for bf16 / float32 caches)
+  void set_caches(std::vector<at::Tensor> k, std::vector<at::Tensor> v, std::vector<at::Tensor> ks,
+                  std::vector<at::Tensor> vs) {
     TORCH_CHECK(k.size() == layers.size() && v.size() == layers.size(), "one K and one V cache per layer");
+    TORCH_CHECK(ks.size() == vs.size() && (ks.empty() || ks.size() == k.size()), "scales for every layer or none");
     k_caches = std::move(k);
     v_caches = std::move(v);
+    k_scales.assign(k_caches.size(), c10::nullopt);
+    v_scales.assign(k_caches.size(), c10::nullopt);
+    for (size_t l = 0; l < ks.size(); ++l) { k_scales[l] = ks[l]; v_scales[l] = vs[l]; }
   }
 
   // x: [T, hidden] embedded tokens, every row attending through paged_attention (decodes, short
@@ -1072,9 +1160,10 @@ struct DecoderStack {
       at::Tensor n = at::empty_like(h);
       rms_norm(n, add.defined() ? add : h, add.defined() ? c10::optional<at::Tensor>(h) : c10::nullopt, L.in_norm, eps);
       at::Tensor qkv = L.qkv(n).view({T, Hq + 2 * Hkv, D});
-      rotary_kv_write(qkv, Hq, Hkv, cos, sin, positions, k_caches[l], v_caches[l], slots);
+      rotary_kv_write(qkv, Hq, Hkv, cos, sin, positions, k_caches[l], v_caches[l], slots, k_scales[l], v_scales[l]);
       at::Tensor attn = at::empty({T, Hq, D}, h.options());
-      paged_attention(attn, qkv.narrow(1, 0, Hq), k_caches[l], v_caches[l], block_table, row_seq, row_kv_len, scale);
+      paged_attention(attn, qkv.narrow(1, 0, Hq), k_caches[l], v_caches[l], block_table, row_seq, row_kv_len, scale,
+                      k_scales[l], v_scales[l]);
       at::Tensor o = L.o(attn.view({T, Hq * D}));
       at::Tensor n2 = at::empty_like(h);
       rms_norm(n2, o, h, L.post_norm, eps);
@@ -1095,8 +1184,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &DecoderStack::add_layer)
       .def("set_caches", &DecoderStack::set_caches)
       .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("paged_attention", &paged_attention, "paged attention, rows against their sequences' KV blocks");
-  m.def("rotary_kv_write", &rotary_kv_write, "rotary on Q/K heads in place + K/V cache write");
+  m.def("paged_attention", &paged_attention, "paged attention, rows against their sequences' KV blocks",
+        pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("block_table"), pybind11::arg("row_seq"), pybind11::arg("row_kv_len"), pybind11::arg("scale"),
+        pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none());
+  m.def("rotary_kv_write", &rotary_kv_write, "rotary on Q/K heads in place + K/V cache write (int8: quantized)",
+        pybind11::arg("qkv"), pybind11::arg("hq"), pybind11::arg("hkv"), pybind11::arg("cos"), pybind11::arg("sin"),
+        pybind11::arg("positions"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slots"),
+        pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none());
   m.def("rms_norm", &rms_norm, "(residual add +) RMSNorm");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax, first index of a tie");
