@@ -6,7 +6,7 @@ import argparse
 
 
 def _quiet_http_logs() -> None:
-    """httpx logs every request at INFO; a benchmark sends thousands."""
+    """httpx logs each request at INFO (the helpers' GETs: /v1/models, /metrics)."""
     import logging
 
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -1,8 +1,10 @@
 """Async load generator: streaming /v1/completions at a fixed concurrency or Poisson rate.
 
-Uses httpx + our own SSE parser (not the openai client) so each chunk is timestamped when its
-bytes arrive. Output tokens are taken from `usage` (stream_options.include_usage) when the
-server sends it, else counted as content chunks.
+Uses aiohttp (as vLLM's `bench serve` does: its HTTP parser is C) + our own SSE parser (not the
+openai client) so each chunk is timestamped when its bytes arrive. The client shares the
+machine with the server under test: httpx's pure-Python stack (h11, anyio) took 12.6 % of a core
+at 32 streams, ~1,300 chunks/s. Output tokens are taken from `usage`
+(stream_options.include_usage) when the server sends it, else counted as content chunks.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
-import httpx
+import aiohttp
 import numpy as np
 
 from axonserve.bench.dataset import RequestSpec
@@ -65,7 +67,7 @@ def request_body(cfg: LoadConfig, spec: RequestSpec) -> dict[str, Any]:
     return body
 
 
-async def send_one(client: httpx.AsyncClient, url: str, body: dict[str, Any], prompt_len: int,
+async def send_one(client: aiohttp.ClientSession, url: str, body: dict[str, Any], prompt_len: int,
                    t0: float) -> RequestResult:
     res = RequestResult(ok=False, prompt_len=prompt_len)
     parser = SSEParser()
@@ -74,11 +76,11 @@ async def send_one(client: httpx.AsyncClient, url: str, body: dict[str, Any], pr
     last = start = time.perf_counter()
     res.start = start - t0
     try:
-        async with client.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+        async with client.post(url, json=body) as r:
+            if r.status != 200:
+                res.error = f"HTTP {r.status}: {(await r.read())[:200]!r}"
                 return res
-            async for raw in r.aiter_bytes():
+            async for raw in r.content.iter_any():
                 now = time.perf_counter()
                 for data in parser.feed(raw):
                     if data.strip() == "[DONE]":
@@ -105,7 +107,7 @@ async def send_one(client: httpx.AsyncClient, url: str, body: dict[str, Any], pr
         res.ok = chunks > 0 and res.finish_reason is not None
         if not res.ok:
             res.error = "no output" if chunks == 0 else f"stream ended without finish_reason after {chunks} chunks"
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
         res.error = f"{type(e).__name__}: {e}"[:200]
     return res
 
@@ -126,12 +128,11 @@ async def run_load(cfg: LoadConfig, specs: list[RequestSpec]) -> tuple[list[Requ
     url = cfg.base_url.rstrip("/") + "/v1/completions"
     rng = np.random.default_rng(cfg.seed)
     sem = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else None
-    limits = httpx.Limits(max_connections=cfg.concurrency or len(specs) or 1,
-                          max_keepalive_connections=cfg.concurrency or len(specs) or 1)
-    timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
+    connector = aiohttp.TCPConnector(limit=cfg.concurrency or len(specs) or 1)
+    timeout = aiohttp.ClientTimeout(total=cfg.timeout_s, sock_connect=30.0)
     results: list[RequestResult] = []
     bar = _progress(len(specs), cfg.desc, cfg.progress)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False) as client:
         t0 = time.perf_counter()
         deadline = t0 + cfg.max_duration_s if cfg.max_duration_s else None
 

@@ -1,10 +1,13 @@
-"""The load generator against an in-process fake server (httpx MockTransport): no sockets."""
+"""The load generator against a real aiohttp server on loopback that streams canned SSE bodies in
+pieces (events split across network reads)."""
 
 import asyncio
+import contextlib
 import json
 
-import httpx
+import aiohttp
 import pytest
+from aiohttp import web
 
 from axonserve.bench.dataset import RequestSpec
 from axonserve.bench.loadgen import LoadConfig, is_loopback, request_body, run_load, send_one
@@ -18,12 +21,35 @@ def _sse(texts, usage=None, finish="length"):
     return "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
 
 
-def _client(handler):
-    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+@contextlib.asynccontextmanager
+async def _server(status: int, text: str, pieces: int = 5):
+    """A session and the URL of a server answering every POST with `text` (streamed in pieces)."""
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if status != 200:
+            return web.Response(status=status, text=text)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        data = text.encode()
+        step = max(1, len(data) // pieces)
+        for i in range(0, len(data), step):
+            await resp.write(data[i : i + step])
+            await asyncio.sleep(0)
+        await resp.write_eof()
+        return resp
 
-
-def _resp(status, text):
-    return httpx.Response(status, stream=httpx.ByteStream(text.encode()))
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as c:
+            yield c, f"http://127.0.0.1:{port}/v1/completions"
+    finally:
+        await runner.cleanup()
 
 
 def test_request_body_forces_length():
@@ -37,26 +63,26 @@ def test_request_body_forces_length():
 @pytest.mark.parametrize("usage,expected", [(5, 5), (None, 3)])
 async def test_send_one_counts_usage_or_chunks(usage, expected):
     body = _sse(["a", "", "b", "c"], usage)  # the empty chunk is not a token arrival
-    async with _client(lambda req: _resp(200, body)) as c:
-        r = await send_one(c, "http://x/v1/completions", {}, 7, 0.0)
+    async with _server(200, body) as (c, url):
+        r = await send_one(c, url, {}, 7, 0.0)
     assert r.ok and r.output_tokens == expected and r.prompt_len == 7
     assert len(r.itl) == 2 and 0 <= r.ttft <= r.e2e and r.finish_reason == "length"
 
 
 async def test_cut_off_stream_is_a_failure():
     body = _sse(["a", "b"], finish=None).replace("data: [DONE]\n\n", "")
-    async with _client(lambda req: _resp(200, body)) as c:
-        r = await send_one(c, "http://x/v1/completions", {}, 1, 0.0)
+    async with _server(200, body) as (c, url):
+        r = await send_one(c, url, {}, 1, 0.0)
     assert not r.ok and "without finish_reason" in r.error
 
 
 async def test_send_one_reports_http_and_stream_errors():
-    async with _client(lambda req: _resp(400, "bad")) as c:
-        r = await send_one(c, "http://x/v1/completions", {}, 1, 0.0)
+    async with _server(400, "bad") as (c, url):
+        r = await send_one(c, url, {}, 1, 0.0)
     assert not r.ok and r.error.startswith("HTTP 400")
     err = 'data: {"error": {"message": "boom"}}\n\ndata: [DONE]\n\n'
-    async with _client(lambda req: _resp(200, err)) as c:
-        r = await send_one(c, "http://x/v1/completions", {}, 1, 0.0)
+    async with _server(200, err) as (c, url):
+        r = await send_one(c, url, {}, 1, 0.0)
     assert not r.ok and "boom" in r.error
 
 
