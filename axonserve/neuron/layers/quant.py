@@ -4,7 +4,7 @@ A decode step reads every weight once, so on a CPU its time is weight bytes over
 bandwidth: int8 halves the bytes of bf16, int4 quarters them. Weights are quantized once at
 load, after tensor-parallel sharding, and multiplied by torch's CPU weight-only kernels:
 - int8: one symmetric scale per output row (-127..127; `_weight_int8pack_mm`). With AMX and bf16
-  activations, batches of up to 32 rows instead stream the int8 weight through AMX tiles
+  activations, batches of up to 64 rows instead stream the int8 weight through AMX tiles
   (csrc `skinny_int8`: a decode step of SmolLM2 reads 135 MB instead of 270), and larger ones
   (prefill) multiply a oneDNN-packed bf16 copy of the dequantized weight: torch's int8 kernel
   is ~15x slower than oneDNN there (2,048 rows).
@@ -60,7 +60,7 @@ class QuantizedWeight:
 
     def _amx_int8(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         """Where AMX takes the weight (K a multiple of 32): the int8 copy in skinny_int8's layout
-        for up to 32 rows, and `data` becomes the dequantized bf16 weight in oneDNN's layout."""
+        for up to 64 rows, and `data` becomes the dequantized bf16 weight in oneDNN's layout."""
         kernels = _skinny_kernels(q) if can_pack(torch.bfloat16) and q.shape[1] % 32 == 0 else None
         if kernels is None or kernels.skinny_rows(packed := kernels.pack_int8_weight(q)) == 0:
             return
@@ -90,7 +90,7 @@ class PackedWeight:
     batch-32 SmolLM2 step's matmuls 23 ms instead of 16 (same products, bit for bit).
 
     With AVX512-BF16 a second copy in the native skinny layout serves calls of up to
-    `skinny_rows` rows (32 with AMX: a decode batch, a verification; 3 with AVX512-BF16 only):
+    `skinny_rows` rows (64 with AMX: a decode batch, a verification; 3 with AVX512-BF16 only):
     oneDNN's brgemm streams the weight at about half the memory bandwidth at those sizes, the
     native kernels near it; above that (prefill) oneDNN's blocking wins. Those products
     accumulate in float32 in another order (bf16 results within one rounding of oneDNN's).
