@@ -327,14 +327,28 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   else if (a.D == 32) item_fn = &attend_item_vec<T, C, 2>;
   else if (a.D == 256) item_fn = &attend_item_vec<T, C, 16>;
 #endif
-  int64_t keys = 0;  // total keys read: a small call (one short decode) stays on this thread
-  for (int64_t r = 0; r < a.R; ++r) keys += a.kvl[r];
-  const int64_t grain = keys * a.Hq * a.D < 8 * 32768 ? std::max<int64_t>(1, a.R * a.Hkv) : 1;
-  at::parallel_for(0, a.R * a.Hkv, grain, [&](int64_t begin, int64_t end) {
+  const int64_t n = a.R * a.Hkv;
+  auto run = [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<int64_t> off;
-    for (int64_t item = begin; item < end; ++item) {
-      item_fn(a, qp, op, kc, vc, item / a.Hkv, item % a.Hkv, scores, off);
+    for (int64_t item = begin; item < end; ++item) item_fn(a, qp, op, kc, vc, item / a.Hkv, item % a.Hkv, scores, off);
+  };
+  // Each thread takes a contiguous run of items holding an equal share of the keys (+1 per item
+  // for its fixed cost): the rows' contexts differ, and a split by item count leaves one thread
+  // streaming while the other waits at the barrier. A small call (one short decode) stays here.
+  std::vector<int64_t> cum(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) cum[i + 1] = cum[i] + a.kvl[i / a.Hkv] + 1;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (cum[n] * a.G * a.D < 8 * 32768 || threads <= 1 || at::in_parallel_region()) {
+    run(0, n);
+    return;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      auto first_at = [&](int64_t share) {
+        return std::lower_bound(cum.begin(), cum.end(), cum[n] * share / threads) - cum.begin();
+      };
+      run(first_at(t), t + 1 == threads ? n : first_at(t + 1));
     }
   });
 }
