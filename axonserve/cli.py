@@ -13,7 +13,7 @@ import msgspec
 import structlog
 
 from axonserve import __version__
-from axonserve.config import EngineConfig, SpeculativeConfig
+from axonserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, SpeculativeConfig
 from axonserve.engine.buckets import parse_buckets
 from axonserve.logs import setup_logging
 
@@ -47,9 +47,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: the checkpoint's precision; 16-bit and quantized (GGUF) checkpoints run in "
                         "bfloat16 where the CPU has native bf16, float32 checkpoints stay float32")
-    p.add_argument("--quantization", "-q", default="", choices=["", "int8", "int4"],
+    p.add_argument("--quantization", "-q", default="", choices=["", *QUANTIZATIONS],
                    help="weight-only quantization of the linear layers and LM head (approximate outputs)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="KV cache storage: auto = the model's dtype; int8 = per-(token, head) scaled codes, half "
                         "the bytes attention reads (approximate outputs)")
     p.add_argument("--num-workers", "--tensor-parallel-size", "-tp", type=int, default=1, dest="num_workers",

@@ -87,6 +87,7 @@ def resolve_dtype(model_dir: str) -> str:
     return "bfloat16" if declared in ("bfloat16", "float16") and cpu_has_bf16() else "float32"
 
 
+QUANTIZATIONS = ("int8", "int4")  # weight-only formats (neuron/layers/quant.py)
 KV_CACHE_DTYPES = ("auto", "int8")
 
 

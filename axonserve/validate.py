@@ -287,6 +287,8 @@ def format_report(rep: dict[str, Any]) -> str:
 
 
 def add_validate_parser(sub: Any) -> None:
+    from axonserve.config import QUANTIZATIONS
+
     p = sub.add_parser("validate", help="compare axonserve's logits and hidden states with transformers",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default="SmolLM2-135M-Instruct",
@@ -303,7 +305,7 @@ def add_validate_parser(sub: Any) -> None:
                         "0.5 with int4)")
     p.add_argument("--topk", type=int, default=5, help="k for top-k agreement")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--quantization", "-q", default="", choices=["", "int8", "int4"],
+    p.add_argument("--quantization", "-q", default="", choices=["", *QUANTIZATIONS],
                    help="serve the model weight-quantized (as `serve -q`): measures what the format costs")
     p.add_argument("--snapshot-dir", default=None, help="keep the engine's snapshots here (default: temporary)")
     p.add_argument("--num-kv-blocks", type=int, default=None)

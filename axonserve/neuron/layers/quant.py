@@ -23,9 +23,11 @@ import structlog
 import torch
 from torch import nn
 
+from axonserve.config import QUANTIZATIONS
+
 log = structlog.get_logger()
 
-METHODS = ("int8", "int4")
+METHODS = QUANTIZATIONS
 INT4_GROUP = 32
 
 
@@ -62,9 +64,11 @@ class QuantizedWeight:
         """Where AMX takes the weight (K a multiple of 32): the int8 copy in skinny_int8's layout
         for up to 64 rows, and `data` becomes the dequantized bf16 weight in oneDNN's layout."""
         kernels = _skinny_kernels(q) if can_pack(torch.bfloat16) and q.shape[1] % 32 == 0 else None
-        if kernels is None or kernels.skinny_rows(packed := kernels.pack_int8_weight(q)) == 0:
+        packed = kernels.pack_int8_weight(q) if kernels is not None else None
+        rows = kernels.skinny_rows(packed) if packed is not None else 0
+        if rows == 0:
             return
-        self.kernels, self.skinny, self.skinny_rows = kernels, packed, kernels.skinny_rows(packed)
+        self.kernels, self.skinny, self.skinny_rows = kernels, packed, rows
         self.skinny_scales = scale.contiguous()
         self.data = torch.ops.mkldnn._reorder_linear_weight((q.float() * scale[:, None]).bfloat16(), 32)
 

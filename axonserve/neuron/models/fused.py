@@ -63,8 +63,8 @@ def build(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, ...]], native: 
                  for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if not add_layer(stack, layer.input_layernorm.weight, layer.post_attention_layernorm.weight, parts):
             return None
-    stack.set_caches(*([kv[i] for kv in kv_caches] for i in range(4)) if len(kv_caches[0]) == 4
-                     else ([kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], [], []))
+    k, v, *scales = (list(c) for c in zip(*kv_caches))
+    stack.set_caches(k, v, *(scales or ([], [])))
     return stack
 
 
