@@ -41,6 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                    help="plan the next step while the current one runs (ignored with speculative decoding, "
                         "bucketing and P/D disaggregation)")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="multi-step decoding: a pure-decode batch runs up to N forwards per plan (less engine "
+                        "overhead per token; tokens stream N at a time, arrivals wait up to N-1 forwards)")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--max-waiting", type=int, default=0,
                    help="bound on queued requests; beyond it requests get HTTP 503 (0: unbounded)")
@@ -148,6 +151,7 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         async_scheduling=args.async_scheduling,
+        num_scheduler_steps=args.num_scheduler_steps,
         scheduling_policy=args.scheduling_policy,
         max_waiting=args.max_waiting,
         dtype=args.dtype,

@@ -108,6 +108,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Off by default: on this 2-core machine the hand-off's idle time was other processes' CPU time
     # anyway (no throughput change measured); it pays where the scheduler has a core of its own
     async_scheduling: bool = False
+    # multi-step decoding (vLLM v0's --num-scheduler-steps): when every running request is
+    # decoding and none waits for a seat, one plan has each decode up to this many tokens, the
+    # worker feeding back its own samples between forwards. The scheduler, the bus and the
+    # clients then work once per N tokens instead of once per token; the price: a request that
+    # arrives meanwhile starts up to N-1 forwards later, tokens reach clients N at a time, and a
+    # request that stops early computes up to N-1 discarded tokens
+    num_scheduler_steps: int = 1
     scheduling_policy: str = "fcfs"  # fcfs | priority
     max_waiting: int = 0  # bound on queued requests (0: unbounded); beyond it -> 503
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (resolve_dtype; the CLI and LLM default)
@@ -171,6 +178,15 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
                              f"{', '.join(KV_CACHE_DTYPES)}")
         if self.kv_cache_dtype == "int8" and (self.bucketing or self.role != "both"):
             raise ValueError("an int8 KV cache is not supported with bucketing or prefill/decode disaggregation")
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
+        if self.num_scheduler_steps > 1:
+            clash = [name for name, on in (("async scheduling", self.async_scheduling),
+                                           ("speculative decoding", self.speculative is not None),
+                                           ("bucketing", self.bucketing), ("tensor snapshots", bool(self.snapshot)))
+                     if on]
+            if clash:
+                raise ValueError(f"multi-step decoding (num_scheduler_steps > 1) is not supported with {clash[0]}")
         if self.speculative is not None:
             self.speculative.validate()
             if self.bucketing:

@@ -1,5 +1,6 @@
 """Scheduler features end to end (real processes): prefix caching, chunked prefill, preemption,
-batch size 1, async scheduling — alone and together — never change greedy outputs (transformers reference)."""
+batch size 1, async scheduling, multi-step decoding — alone and together — never change greedy
+outputs (transformers reference)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ CASES = {
     # plans made a step ahead: preemptions of requests whose step is still running
     "async_tiny_pool_preemption": dict(num_kv_blocks=20, max_num_batched_tokens=16, async_scheduling=True),
     "async_all_on": dict(max_num_batched_tokens=32, async_scheduling=True),
+    # multi-step decoding: plans of up to 4 forwards, preemptions between them
+    "multistep_all_on": dict(max_num_batched_tokens=32, num_scheduler_steps=4),
+    "multistep_tiny_pool_preemption": dict(num_kv_blocks=20, max_num_batched_tokens=16, num_scheduler_steps=4),
 }
 
 
@@ -86,6 +90,8 @@ async def test_outputs_identical_under_each_feature(tiny_llama_dir, reference, c
         assert stats.prefix_cache_hits == 0
     if "tiny_pool" in case:
         assert stats.num_preemptions > 0, stats
+    if "multistep" in case:
+        assert stats.num_forwards > stats.num_steps, stats  # some plans ran several forwards
 
 
 @pytest.mark.timeout(300)
@@ -120,3 +126,36 @@ async def test_decodes_progress_during_a_long_chunked_prefill(tiny_llama_dir):
     during = events[events.index("B-submitted"):events.index("B")]
     # 1800/64 ≈ 29 prefill steps, each also decoding the running stream (decode first)
     assert during.count("a") >= 20, during.count("a")
+
+
+@pytest.mark.timeout(300)
+async def test_multi_step_sampling_equals_single_step(tiny_llama_dir):
+    """Seeded sampling with penalties and min_tokens (the sampler's general path, which reads each
+    request's tokens so far) gives the same tokens whether a plan runs 1 or 6 forwards: the
+    worker feeds every sampled token back before the next forward."""
+    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=7 + i, max_tokens=24, min_tokens=20,
+                             repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3) for i in range(3)]
+    params.append(SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.5))
+    prompts = [[5 + i, 17, 900 + i, 33] for i in range(4)]
+    got = {}
+    for steps in (1, 6):
+        sup = Supervisor(EngineConfig(model=tiny_llama_dir, num_kv_blocks=200, block_size=4, log_level="warning",
+                                      num_scheduler_steps=steps), frontend=False)
+        await sup.start()
+        client = await AsyncEngineClient.connect(sup.addresses.engine, timeout=60)
+        try:
+            async def one(ids: list[int], p: SamplingParams) -> list[int]:
+                toks: list[int] = []
+                async for out in client.generate(ids, p):
+                    assert out.error is None, out.error
+                    toks += out.token_ids
+                return toks
+
+            got[steps] = await asyncio.wait_for(asyncio.gather(*(one(x, p) for x, p in zip(prompts, params))), 120)
+            stats = await client.get_stats()
+        finally:
+            client.close()
+            await sup.stop("test done")
+        assert (stats.num_forwards > stats.num_steps) == (steps > 1), stats
+    assert got[6] == got[1]
+    assert all(len(t) >= 20 for t in got[1])

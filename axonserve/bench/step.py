@@ -4,8 +4,9 @@ The real scheduler, worker ranks, bus and client serve a null model (`AxonNullFo
 zeros in, zeros out, a 512-token vocabulary), so a step's wall time is scheduling, plan
 encode + broadcast to every rank, the worker's bookkeeping and attention metadata, sampling,
 the result's return and the client's output handling. B requests decode together for T
-tokens; µs per step = elapsed / steps, from the scheduler's own step counter. With
-`--num-workers N` it is also the per-step cost of broadcasting the plan to N ranks.
+tokens; µs per step = elapsed / model forwards, from the scheduler's own counter. With
+`--num-workers N` it is also the per-step cost of broadcasting the plan to N ranks; with
+`--num-scheduler-steps N` (multi-step decoding) one plan runs up to N forwards.
 """
 
 from __future__ import annotations
@@ -62,11 +63,11 @@ async def _run(config: EngineConfig, batches: list[int], tokens: int, bar: tqdm)
                 async for _ in client.generate([1 + i % (NULL_VOCAB - 1)] * 8, params):
                     pass
 
-            s0 = (await client.get_stats()).num_steps
+            s0 = (await client.get_stats()).num_forwards
             t0 = time.perf_counter()
             await asyncio.gather(*(one(i) for i in range(b)))
             dt = time.perf_counter() - t0
-            steps = (await client.get_stats()).num_steps - s0
+            steps = (await client.get_stats()).num_forwards - s0
             rows.append({"batch": b, "steps": steps, "us_per_step": dt / steps * 1e6,
                          "us_per_token": dt / (b * tokens) * 1e6})
             bar.update(1)
@@ -88,16 +89,18 @@ def run_step_bench(args: argparse.Namespace) -> int:
         config = EngineConfig(
             model=model, served_model_name="null", max_num_seqs=max(batches),
             max_num_batched_tokens=max(2048, 8 * max(batches)), num_kv_blocks=max(batches) * (args.tokens // 16 + 2),
-            num_workers=args.num_workers, log_level="warning",
+            num_workers=args.num_workers, num_scheduler_steps=args.num_scheduler_steps, log_level="warning",
         )
         with tqdm(total=len(batches), desc=f"bench step ({args.num_workers} rank(s))") as bar:
             rows = uvloop.run(_run(config, batches, args.tokens, bar))
-    print(f"{'batch':>6} {'steps':>6} {'us/step':>9} {'us/token':>9}   ({args.num_workers} worker rank(s), null model)")
+    print(f"{'batch':>6} {'steps':>6} {'us/step':>9} {'us/token':>9}   ({args.num_workers} worker rank(s), "
+          f"{args.num_scheduler_steps} forward(s) per plan at most, null model)")
     for r in rows:
         print(f"{r['batch']:>6} {r['steps']:>6} {r['us_per_step']:>9.0f} {r['us_per_token']:>9.1f}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"num_workers": args.num_workers, "tokens": args.tokens, "rows": rows}, f, indent=2)
+            json.dump({"num_workers": args.num_workers, "num_scheduler_steps": args.num_scheduler_steps,
+                       "tokens": args.tokens, "rows": rows}, f, indent=2)
     return 0
 
 
@@ -105,5 +108,6 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", default="1,8,32,128,256", help="concurrent requests per run (comma list)")
     p.add_argument("--tokens", type=int, default=128, help="tokens each request decodes")
     p.add_argument("--num-workers", type=int, default=1, help="worker ranks the plan is broadcast to")
+    p.add_argument("--num-scheduler-steps", type=int, default=1, help="multi-step decoding: forwards per plan")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.set_defaults(func=run_step_bench)

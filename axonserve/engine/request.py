@@ -130,18 +130,24 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
-    def append_token(self, token_id: int, eos_token_ids: frozenset[int]) -> bool:
-        """Record a sampled token; set finish state and return True if the request is done."""
-        self.token_ids.append(token_id)
+    def append_tokens(self, toks: list[int], eos_token_ids: frozenset[int]) -> tuple[int, bool]:
+        """Record sampled tokens up to the first that ends the request (EOS or a stop token once
+        min_tokens are out, or the length limit) and set its finish state; returns (tokens
+        kept, done). One pass over a multi-token result (multi-step or speculative decoding)."""
         p = self.params
-        if self.num_output_tokens >= p.min_tokens:
-            if not p.ignore_eos and token_id in eos_token_ids:
+        eos = () if p.ignore_eos else eos_token_ids
+        keep = min(len(toks), self.max_total_tokens - len(self.token_ids))
+        outputs = len(self.token_ids) - self.num_prompt_tokens  # before these
+        for j in range(max(0, p.min_tokens - outputs - 1), keep):
+            t = toks[j]
+            if t in eos or t in p.stop_token_ids:
+                self.token_ids += toks[: j + 1]
                 self.finish_reason = "stop"
-                return True
-            if token_id in p.stop_token_ids:
-                self.finish_reason, self.stop_reason = "stop", token_id
-                return True
-        if self.num_tokens >= self.max_total_tokens:
+                if t not in eos:
+                    self.stop_reason = t
+                return j + 1, True
+        self.token_ids += toks[:keep]
+        if len(self.token_ids) >= self.max_total_tokens:
             self.finish_reason = "length"
-            return True
-        return False
+            return keep, True
+        return keep, False

@@ -64,6 +64,7 @@ class SchedulerConfig:
     speculative: SpeculativeConfig | None = None  # drafts verified in the step (engine/spec.py)
     # plans may be made before the last one's result is back (see `schedule`); the actor sets it
     async_scheduling: bool = False
+    num_scheduler_steps: int = 1  # multi-step decoding (see `_multi_steps`)
 
 
 class Scheduler:
@@ -77,6 +78,7 @@ class Scheduler:
         # per plan sent and not yet answered, oldest first: its requests and which of them sample
         self._in_flight: collections.deque[tuple[list[Request], list[Request]]] = collections.deque()
         self._step_id = 0
+        self.num_forwards = 0  # model forwards of the plans made (multi-step plans run several)
         self._seq = itertools.count()
         self._order: dict[str, tuple] = {}
         self.num_preemptions = 0
@@ -203,6 +205,7 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted = False
+        steps = self._multi_steps()
 
         for req in list(self.running):
             if req.status != Status.RUNNING:  # preempted earlier in this loop
@@ -213,7 +216,10 @@ class Scheduler:
             n = min(known - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
-            k = min(len(req.spec_token_ids), budget - 1) if n == 1 else 0  # drafts ride along
+            if steps > 1:  # multi-step: its next tokens, never past its last
+                k = min(steps - 1, req.max_total_tokens - known - 1, budget - 1)
+            else:
+                k = min(len(req.spec_token_ids), budget - 1) if n == 1 else 0  # drafts ride along
             n += k
             while not self.blocks.ensure(req, req.num_computed_tokens + n):
                 victim = self._pick_victim()
@@ -228,7 +234,7 @@ class Scheduler:
                     break
             if req.status != Status.RUNNING:
                 continue
-            req.num_spec_scheduled = k
+            req.num_spec_scheduled = k if steps == 1 else 0
             scheduled.append((req, n))
             budget -= n
             if budget == 0:
@@ -245,7 +251,22 @@ class Scheduler:
 
         if not scheduled and not self._to_drop:
             return None
-        return self._make_plan(scheduled)
+        return self._make_plan(scheduled, multi_step=steps > 1)
+
+    def _multi_steps(self) -> int:
+        """Forwards the next plan may run: `num_scheduler_steps` when every running request is a
+        decode with no token in flight, none wants per-token logprobs or a grammar (both are
+        answered one token per step), and no waiting request could take a seat (it would wait up
+        to N-1 forwards for its prefill); else 1."""
+        cfg = self.cfg
+        if cfg.num_scheduler_steps == 1 or not self.running or (self.waiting and len(self.running) < cfg.max_num_seqs):
+            return 1
+        for r in self.running:
+            p = r.params
+            if r.num_tokens - r.num_computed_tokens != 1 or r.num_pending or p.logprobs is not None \
+                    or p.structured_outputs is not None:
+                return 1
+        return cfg.num_scheduler_steps
 
     # ------------------------------------------------------------------ bucketing mode
 
@@ -388,7 +409,7 @@ class Scheduler:
         self.running.append(req)
         return n
 
-    def _make_plan(self, scheduled: list[tuple[Request, int]]) -> StepPlan:
+    def _make_plan(self, scheduled: list[tuple[Request, int]], multi_step: bool = False) -> StepPlan:
         new, cached, new_n, cached_n = [], [], [], []
         drafts: dict[str, list[int]] = {}
         self.plan_frames = []
@@ -426,6 +447,8 @@ class Scheduler:
             r.num_pending += 1
         self._in_flight.append(([r for r, _ in scheduled], sampling))
         self._step_id += 1
+        if scheduled:
+            self.num_forwards += max(n for _, n in scheduled) if multi_step else 1
         # EAGLE drafts on worker rank 0 in the step itself, for requests that sample at its end;
         # above disable_by_batch_size the head is skipped (it would only take cores from the step)
         eagle = self.want_features and self.spec is not None and self.spec.active(self.running)
@@ -440,6 +463,7 @@ class Scheduler:
             draft_token_ids=drafts,
             want_features=eagle,
             num_drafts=num_drafts,
+            multi_step=multi_step,
         )
         self._to_drop = []
         return plan
@@ -493,13 +517,8 @@ class Scheduler:
                     self.spec.record(req, k, m - 1)
             if running:
                 self.blocks.cache_computed(req)  # verified KV only; before a finish frees the blocks
-            new: list[int] = []
-            done = False
-            for tok in toks:
-                new.append(tok)
-                done = req.append_token(tok, self.cfg.eos_token_ids)
-                if done:
-                    break
+            kept, done = req.append_tokens(toks, self.cfg.eos_token_ids)
+            new = toks[:kept]
             self.generation_tokens += len(new)
             if req.t_first is None:
                 req.t_first = now
@@ -594,6 +613,7 @@ class Scheduler:
             prefix_cache_hits=self.prefix_hits,
             num_preemptions=self.num_preemptions,
             num_steps=self._step_id,
+            num_forwards=self.num_forwards,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             num_shapes=len(self.shapes),

@@ -106,6 +106,7 @@ class SchedulerActor(Actor):
                 speculative=self.config.speculative,
                 async_scheduling=self.config.async_scheduling and self.config.speculative is None
                 and buckets is None and self.config.role == "both",
+                num_scheduler_steps=self.config.num_scheduler_steps,
             )
         )
         self.engine_info = EngineInfo(
@@ -292,7 +293,7 @@ class SchedulerActor(Actor):
         """P/D decode: the prefill engine's first token goes out now; the request then decodes
         here on the prompt's imported KV (its images are no longer needed: never recomputed)."""
         now = time.monotonic()
-        done = req.append_token(d.new_token_ids[0], self.sched.cfg.eos_token_ids)
+        _, done = req.append_tokens(d.new_token_ids[:1], self.sched.cfg.eos_token_ids)
         req.t_first = req.t_last = now
         req.num_cached_tokens = d.num_cached_tokens  # the prefill engine's prefix-cache hit
         self.sched.ttft.append(now - req.t_arrival)

@@ -29,7 +29,7 @@ from axonserve.neuron.models.bert import EncoderBatch
 from axonserve.neuron.kv_transfer import export_kv, import_kv
 from axonserve.neuron.multimodal import ImageEncoderCache, RequestImages, batch_rows
 from axonserve.neuron.ops import native
-from axonserve.neuron.ops.attention import AttentionMetadata, build_static
+from axonserve.neuron.ops.attention import AttentionMetadata, DecodeRun, build_static
 from axonserve.neuron.parallel import (
     CollectiveError,
     TPInfo,
@@ -39,7 +39,7 @@ from axonserve.neuron.parallel import (
     tp_min,
 )
 from axonserve.neuron.pooling import resolve_task
-from axonserve.neuron.sampler import Sampler
+from axonserve.neuron.sampler import Sampler, greedy_ids
 from axonserve.neuron.snapshot import StepSnapshots, contiguous_rows, padded_rows
 from axonserve.neuron.structured import StructuredDecoding
 from axonserve.protocol import tensor_ref
@@ -292,6 +292,8 @@ class ModelRunner:
             if n <= 0:
                 continue
             c, k = st.num_computed_tokens, len(drafts.get(st.request_id, ()))
+            if plan.multi_step:  # its last n - 1 tokens are its own samples, known once they are made
+                k = n - 1
             if c + n > len(st.token_ids) + k or (k and c + n - k != len(st.token_ids)):
                 raise ValueError(f"request {st.request_id}: {c}+{n} tokens scheduled ({k} drafts) "
                                  f"but {len(st.token_ids)} known")
@@ -302,6 +304,8 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id)
         if self.task == "embed":
             return self._execute_pooling(plan, work)
+        if plan.multi_step:
+            return self._execute_steps(plan, work)
         if self.buckets is not None:
             if drafts:
                 raise ValueError("speculative decoding is not supported in bucketing mode")
@@ -351,6 +355,37 @@ class ModelRunner:
         if plan.want_features and self.eagle is not None:
             self._draft(plan, result, work, starts, last_tok, hidden)
         return result
+
+    def _execute_steps(self, plan: StepPlan, work: list[tuple[RequestState, int]]) -> StepResult:
+        """Multi-step decoding: each request decodes its n scheduled tokens in n forwards, each fed
+        the token the forward before sampled. Longest first, so forward s runs a prefix of the
+        batch. One result carries every token: the scheduler applies the stop rules and drops
+        whatever follows a stop."""
+        for st, _ in work:
+            if st.params.logprobs is not None or st.params.structured_outputs is not None:
+                raise ValueError(f"request {st.request_id}: logprobs and structured outputs need one token per step")
+        work = sorted(work, key=lambda w: -w[1])
+        sts = [st for st, _ in work]
+        run = DecodeRun([st.num_computed_tokens for st in sts], [st.block_ids for st in sts], [n for _, n in work],
+                        self.block_size, self.native)
+        greedy = self.sampler.greedy_only(sts)  # min_tokens, once met, stays met for the whole run
+        m, sample_s = len(work), 0.0
+        for s in range(work[0][1]):
+            while work[m - 1][1] <= s:
+                m -= 1
+            active = sts[:m]
+            meta = run.meta(s, m)
+            ids = torch.tensor([st.token_ids[-1] for st in active])
+            logits = self.model.compute_logits(self.model(ids, meta.positions, self.kv_caches, meta))
+            t0 = time.perf_counter()
+            toks = tp_broadcast_ids(greedy_ids(logits).tolist() if greedy else self.sampler(logits, active)[0])
+            sample_s += time.perf_counter() - t0
+            for st, t in zip(active, toks):
+                st.num_computed_tokens += 1
+                st.token_ids.append(t)
+        return StepResult(step_id=plan.step_id, request_ids=[st.request_id for st in sts],
+                          sampled_token_ids=[t for st, n in work for t in st.token_ids[-n:]],
+                          num_sampled=[n for _, n in work], sample_s=sample_s)
 
     def _draft(self, plan: StepPlan, result: StepResult, work: list[tuple[RequestState, int]],
                starts: dict[str, int], last_tok: dict[str, int], hidden: torch.Tensor) -> None:

@@ -83,6 +83,11 @@ class Sampler:
         out = ids.tolist()
         return out, (self._logprobs(raw_lp, ids, reqs) if raw_lp is not None else None)
 
+    def greedy_only(self, reqs: Sequence[SamplingState]) -> bool:
+        """Every row's token is its argmax as the logits stand, with nothing else to do (no
+        logprobs, no adjustments, min_tokens met): `greedy_ids` alone answers."""
+        return all(r.params.greedy and r.params.logprobs is None and not self._needs_processing(r) for r in reqs)
+
     def _needs_processing(self, r: SamplingState) -> bool:
         return self._adjusts_logits(r) or self._min_tokens_pending(r)
 

@@ -246,7 +246,8 @@ class EngineStats(_Msg, tag=13):
     prefix_cache_queries: int = 0  # prompt tokens looked up
     prefix_cache_hits: int = 0  # prompt tokens found
     num_preemptions: int = 0
-    num_steps: int = 0
+    num_steps: int = 0  # plans
+    num_forwards: int = 0  # model forwards they ran (more than plans with multi-step decoding)
     num_rejected_overload: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -312,6 +313,9 @@ class StepPlan(_Msg, tag=20):
     # positions that become valid this step, then propose num_drafts[id] tokens for those requests
     want_features: bool = False
     num_drafts: dict[str, int] = {}
+    # multi-step decoding: every scheduled request is a decode (one token left to compute) and
+    # decodes its n scheduled tokens in n forwards, each fed the token the one before sampled
+    multi_step: bool = False
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -55,6 +55,19 @@ class Worker:
             self.state[cr.request_id]["blocks"] += cr.new_block_ids
             order.append(cr.request_id)
         ids, toks = [], []
+        if plan.multi_step:  # each decodes its n tokens one forward at a time, feeding its samples back
+            counts = []
+            for rid, n in zip(order, plan.num_scheduled_tokens):
+                s = self.state[rid]
+                assert s["c"] == len(s["toks"]) - 1, "a multi-step request must be a decode"
+                assert len(s["blocks"]) * 4 >= s["c"] + n, "tokens scheduled without KV slots"
+                for _ in range(n):
+                    s["c"] += 1
+                    s["toks"].append(self.next_tok(rid, len(s["toks"]) - s["np"]))
+                ids.append(rid)
+                toks += s["toks"][-n:]
+                counts.append(n)
+            return StepResult(plan.step_id, ids, toks, num_sampled=counts)
         for rid, n in zip(order, plan.num_scheduled_tokens):
             s = self.state[rid]
             s["c"] += n
@@ -506,13 +519,13 @@ def test_async_scheduling_preemption_keeps_the_token_in_flight(monkeypatch):
     """A request preempted by the plan made while its step runs still gets that step's token and
     resumes with it; nothing is lost or repeated (as in sync mode)."""
     landed_preempted = []
-    append = Request.append_token
+    append = Request.append_tokens
 
-    def watch(self, tok, eos):
+    def watch(self, toks, eos):
         if self.status == Status.PREEMPTED:
             landed_preempted.append(self.request_id)
-        return append(self, tok, eos)
-    monkeypatch.setattr(Request, "append_token", watch)
+        return append(self, toks, eos)
+    monkeypatch.setattr(Request, "append_tokens", watch)
     s, w = _tight_pool(async_scheduling=True)
     outs, finish, plans = drive_async(s, w)
     assert s.num_preemptions > 0
@@ -520,3 +533,83 @@ def test_async_scheduling_preemption_keeps_the_token_in_flight(monkeypatch):
     assert all(finish[r] == "length" for r in "abc")
     assert landed_preempted, "no token landed for a request preempted while its step ran"
     assert s.blocks.num_free == 6 and not s.requests
+
+
+def test_multi_step_same_outputs_and_stop_rules_at_most_n_minus_1_wasted_rows():
+    """num_scheduler_steps=4: a pure-decode batch runs up to 4 forwards per plan; outputs and
+    finish reasons equal single-step decoding, a length stop is never overrun, and an EOS or a
+    stop token costs at most 3 discarded rows."""
+    toks = {"eos": [5, 6, 6, EOS, 7, 7, 7, 7], "stopid": [5, 9, 7, 7, 7, 7], "len": [5] * 10,
+            "ign": [EOS] * 10, "min": [EOS, EOS, 6, EOS, 7, 7, 7, 7], "long": list(range(30, 50))}
+    got = {}
+    for steps in (1, 4):
+        fn, rows = _counting(lambda rid, i: toks[rid][i])
+        s, w = make(num_scheduler_steps=steps), Worker(fn)
+        s.add(req("eos", 3))
+        s.add(req("stopid", 3, stop_token_ids=[9]))
+        s.add(req("len", 3, max_tokens=5))
+        s.add(req("ign", 3, max_tokens=3, ignore_eos=True))
+        s.add(req("min", 3, min_tokens=3))
+        s.add(req("long", 3, max_tokens=14))
+        outs, finish, plans = drive(s, w)
+        got[steps] = (outs, finish)
+        assert s.blocks.num_free == s.blocks.num_blocks and not s.requests
+        multi = [p for p in plans if p.multi_step]
+        if steps == 1:
+            assert not multi and s.num_forwards == len([p for p in plans if p.num_scheduled_tokens])
+            continue
+        assert multi and all(max(p.num_scheduled_tokens) <= 4 for p in multi)
+        assert s.num_forwards == sum(max(p.num_scheduled_tokens) if p.multi_step else 1 for p in plans if
+                                     p.num_scheduled_tokens)
+        assert rows["len"] == 5 and rows["ign"] == 3 and rows["long"] == 14, rows  # length: never past
+        assert rows["eos"] - 4 <= 3 and rows["stopid"] - 2 <= 3 and rows["min"] - 4 <= 3, rows
+    assert got[4] == got[1]
+    assert got[1][0]["eos"] == [5, 6, 6, EOS] and got[1][1]["stopid"] == "stop"
+
+
+def test_multi_step_only_when_every_request_decodes_and_none_waits_for_a_seat():
+    s, w = make(num_scheduler_steps=4, max_seqs=2), Worker()
+    s.add(req("a", 3, max_tokens=20))
+    p = s.schedule()  # a's prefill
+    assert not p.multi_step
+    s.update(w.run(p))
+    p = s.schedule()  # a alone, decoding: 4 tokens in one plan
+    assert p.multi_step and p.num_scheduled_tokens == [4]
+    s.update(w.run(p))
+    s.add(req("b", 5, max_tokens=20))
+    p = s.schedule()  # b's prefill rides with a's single decode
+    assert not p.multi_step and p.num_scheduled_tokens == [5, 1]
+    s.update(w.run(p))
+    s.add(req("c", 5, max_tokens=20))  # waits: max_num_seqs=2 are running, so it cannot take a seat
+    p = s.schedule()
+    assert p.multi_step and p.num_scheduled_tokens == [4, 4]
+    s.update(w.run(p))
+    s.abort(["a", "b"])
+    s.add(req("lp", 3, max_tokens=20, logprobs=2))  # per-token logprobs: one token per plan
+    for _ in range(4):
+        p = s.schedule()
+        assert not p.multi_step
+        s.update(w.run(p))
+
+
+def test_multi_step_preemption_loses_nothing():
+    """The blocks a multi-step plan writes are taken before it runs; when they run out,
+    requests are preempted and recomputed as in single-step decoding."""
+    s, w = _tight_pool(num_scheduler_steps=4)
+    outs, finish, plans = drive(s, w)
+    assert s.num_preemptions > 0 and any(p.multi_step for p in plans)
+    assert all(outs[r] == list(range(20, 28)) for r in "abc"), outs
+    assert all(finish[r] == "length" for r in "abc")
+    assert s.blocks.num_free == 6
+
+
+def test_multi_step_config_is_checked():
+    from axonserve.config import EngineConfig, SpeculativeConfig
+
+    with pytest.raises(ValueError, match="num_scheduler_steps must be >= 1"):
+        EngineConfig(model="m", num_scheduler_steps=0)
+    for clash, kw in [("async scheduling", dict(async_scheduling=True)), ("bucketing", dict(bucketing=True)),
+                      ("speculative decoding", dict(speculative=SpeculativeConfig(method="ngram",
+                                                                                 num_speculative_tokens=2)))]:
+        with pytest.raises(ValueError, match=f"not supported with {clash}"):
+            EngineConfig(model="m", num_scheduler_steps=4, **kw)

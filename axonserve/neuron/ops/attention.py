@@ -131,6 +131,35 @@ class AttentionMetadata:
 
 
 SHORT_QUERY = 16  # longest chunk the batched short-chunk path takes
+class DecodeRun:
+    """Metadata for the forwards of one multi-step plan (`ModelRunner._execute_steps`): every
+    block the run writes is allocated before it starts, so the block table is built once and a
+    forward only moves the positions on (~10 us at 32 rows, against ~45 for `build`). The
+    sequences come longest run first: forward s takes the first m of them."""
+
+    def __init__(self, context_lens: list[int], block_tables: list[list[int]], steps: list[int], block_size: int,
+                 native: ModuleType | None = None):
+        self.ctx = np.asarray(context_lens, dtype=np.int64)
+        self.block_tables, self.block_size, self.native = block_tables, block_size, native
+        need = (self.ctx + np.asarray(steps, dtype=np.int64) + block_size - 1) // block_size
+        self.table = np.zeros((len(steps), int(need.max()) if len(steps) else 0), dtype=np.int64)
+        for i, ids in enumerate(block_tables):
+            self.table[i, : need[i]] = ids[: need[i]]
+        self.table_t = torch.from_numpy(self.table)
+        self.seq = torch.arange(len(steps))
+
+    def meta(self, s: int, m: int) -> AttentionMetadata:
+        """Forward s of the run, over its first m sequences (one token each)."""
+        pos = self.ctx[:m] + s
+        if self.native is None:  # the torch path's gather tables and masks
+            return AttentionMetadata.build([1] * m, pos.tolist(), self.block_tables[:m], self.block_size)
+        bs = self.block_size
+        slots = self.table[np.arange(m), pos // bs] * bs + pos % bs
+        return AttentionMetadata(positions=torch.from_numpy(pos), slot_mapping=torch.from_numpy(slots),
+                                 native=self.native, native_rows=m, native_block_table=self.table_t[:m],
+                                 native_row_seq=self.seq[:m], native_row_kv_len=torch.from_numpy(pos + 1))
+
+
 NATIVE_MAX_QUERY = 128  # with native kernels, chunks this long or longer take the SDPA path
 
 
