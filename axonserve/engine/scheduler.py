@@ -257,7 +257,8 @@ class Scheduler:
         """Forwards the next plan may run: `num_scheduler_steps` when every running request is a
         decode with no token in flight, none wants per-token logprobs or a grammar (both are
         answered one token per step), and no waiting request could take a seat (it would wait up
-        to N-1 forwards for its prefill); else 1."""
+        to N-1 forwards for its prefill); else 1. Fewer when the token budget cannot give every
+        running request as many (the first in line must not take the whole budget)."""
         cfg = self.cfg
         if cfg.num_scheduler_steps == 1 or not self.running or (self.waiting and len(self.running) < cfg.max_num_seqs):
             return 1
@@ -266,7 +267,7 @@ class Scheduler:
             if r.num_tokens - r.num_computed_tokens != 1 or r.num_pending or p.logprobs is not None \
                     or p.structured_outputs is not None:
                 return 1
-        return cfg.num_scheduler_steps
+        return max(1, min(cfg.num_scheduler_steps, cfg.max_num_batched_tokens // len(self.running)))
 
     # ------------------------------------------------------------------ bucketing mode
 

@@ -613,3 +613,12 @@ def test_multi_step_config_is_checked():
                                                                                  num_speculative_tokens=2)))]:
         with pytest.raises(ValueError, match=f"not supported with {clash}"):
             EngineConfig(model="m", num_scheduler_steps=4, **kw)
+
+
+def test_multi_step_shares_the_token_budget_with_every_running_request():
+    s, w = make(num_scheduler_steps=8, budget=12, max_seqs=4), Worker()
+    for rid in "abcd":
+        s.add(req(rid, 2, max_tokens=30))
+    s.update(w.run(s.schedule()))  # the four prefills
+    p = s.schedule()
+    assert p.multi_step and p.num_scheduled_tokens == [3, 3, 3, 3]  # 12 // 4 each, nobody left out
