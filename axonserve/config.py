@@ -113,7 +113,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # worker feeding back its own samples between forwards. The scheduler, the bus and the
     # clients then work once per N tokens instead of once per token; the price: a request that
     # arrives meanwhile starts up to N-1 forwards later, tokens reach clients N at a time, and a
-    # request that stops early computes up to N-1 discarded tokens
+    # request that stops early computes up to N-1 discarded tokens (2N-1 with async scheduling,
+    # which then has the next multi-step plan waiting when one ends)
     num_scheduler_steps: int = 1
     scheduling_policy: str = "fcfs"  # fcfs | priority
     max_waiting: int = 0  # bound on queued requests (0: unbounded); beyond it -> 503
@@ -181,8 +182,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         if self.num_scheduler_steps > 1:
-            clash = [name for name, on in (("async scheduling", self.async_scheduling),
-                                           ("speculative decoding", self.speculative is not None),
+            clash = [name for name, on in (("speculative decoding", self.speculative is not None),
                                            ("bucketing", self.bucketing), ("tensor snapshots", bool(self.snapshot)))
                      if on]
             if clash:

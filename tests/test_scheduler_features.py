@@ -51,6 +51,8 @@ CASES = {
     # multi-step decoding: plans of up to 4 forwards, preemptions between them
     "multistep_all_on": dict(max_num_batched_tokens=32, num_scheduler_steps=4),
     "multistep_tiny_pool_preemption": dict(num_kv_blocks=20, max_num_batched_tokens=16, num_scheduler_steps=4),
+    "multistep_async_tiny_pool": dict(num_kv_blocks=20, max_num_batched_tokens=16, num_scheduler_steps=4,
+                                      async_scheduling=True),
 }
 
 

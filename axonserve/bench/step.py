@@ -6,7 +6,8 @@ encode + broadcast to every rank, the worker's bookkeeping and attention metadat
 the result's return and the client's output handling. B requests decode together for T
 tokens; µs per step = elapsed / model forwards, from the scheduler's own counter. With
 `--num-workers N` it is also the per-step cost of broadcasting the plan to N ranks; with
-`--num-scheduler-steps N` (multi-step decoding) one plan runs up to N forwards.
+`--num-scheduler-steps N` (multi-step decoding) one plan runs up to N forwards, and with
+`--async-scheduling` the next plan is made while one runs.
 """
 
 from __future__ import annotations
@@ -89,17 +90,20 @@ def run_step_bench(args: argparse.Namespace) -> int:
         config = EngineConfig(
             model=model, served_model_name="null", max_num_seqs=max(batches),
             max_num_batched_tokens=max(2048, 8 * max(batches)), num_kv_blocks=max(batches) * (args.tokens // 16 + 2),
-            num_workers=args.num_workers, num_scheduler_steps=args.num_scheduler_steps, log_level="warning",
+            num_workers=args.num_workers, num_scheduler_steps=args.num_scheduler_steps,
+            async_scheduling=args.async_scheduling, log_level="warning",
         )
         with tqdm(total=len(batches), desc=f"bench step ({args.num_workers} rank(s))") as bar:
             rows = uvloop.run(_run(config, batches, args.tokens, bar))
     print(f"{'batch':>6} {'steps':>6} {'us/step':>9} {'us/token':>9}   ({args.num_workers} worker rank(s), "
-          f"{args.num_scheduler_steps} forward(s) per plan at most, null model)")
+          f"{args.num_scheduler_steps} forward(s) per plan at most, "
+          f"{'async' if args.async_scheduling else 'sync'} scheduling, null model)")
     for r in rows:
         print(f"{r['batch']:>6} {r['steps']:>6} {r['us_per_step']:>9.0f} {r['us_per_token']:>9.1f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"num_workers": args.num_workers, "num_scheduler_steps": args.num_scheduler_steps,
+                       "async_scheduling": args.async_scheduling,
                        "tokens": args.tokens, "rows": rows}, f, indent=2)
     return 0
 
@@ -109,5 +113,7 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=128, help="tokens each request decodes")
     p.add_argument("--num-workers", type=int, default=1, help="worker ranks the plan is broadcast to")
     p.add_argument("--num-scheduler-steps", type=int, default=1, help="multi-step decoding: forwards per plan")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                   help="plan the next step while one runs")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.set_defaults(func=run_step_bench)

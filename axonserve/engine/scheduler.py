@@ -75,8 +75,9 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by _order_key
         self.running: list[Request] = []
         self._to_drop: list[str] = []  # worker state to discard at the next step
-        # per plan sent and not yet answered, oldest first: its requests and which of them sample
-        self._in_flight: collections.deque[tuple[list[Request], list[Request]]] = collections.deque()
+        # per plan sent and not yet answered, oldest first: its requests, and which of them sample
+        # how many tokens
+        self._in_flight: collections.deque[tuple[list[Request], list[tuple[Request, int]]]] = collections.deque()
         self._step_id = 0
         self.num_forwards = 0  # model forwards of the plans made (multi-step plans run several)
         self._seq = itertools.count()
@@ -198,7 +199,7 @@ class Scheduler:
         can read KV before they write it) and each token they will sample counts as known
         (`num_pending`); only the token ids are missing, and the worker has those. A request whose
         pending token ends it by length is not scheduled again; one that ends by EOS or a stop
-        token costs one discarded row in the plan after."""
+        token costs one discarded row in the plan after (a multi-step plan after: up to N)."""
         if self.cfg.buckets is not None:
             return self._schedule_bucketed(self.cfg.buckets)
         cfg = self.cfg
@@ -255,7 +256,7 @@ class Scheduler:
 
     def _multi_steps(self) -> int:
         """Forwards the next plan may run: `num_scheduler_steps` when every running request is a
-        decode with no token in flight, none wants per-token logprobs or a grammar (both are
+        decode (with async scheduling, counting the tokens in flight as known), none wants per-token logprobs or a grammar (both are
         answered one token per step), and no waiting request could take a seat (it would wait up
         to N-1 forwards for its prefill); else 1. Fewer when the token budget cannot give every
         running request as many (the first in line must not take the whole budget)."""
@@ -264,7 +265,7 @@ class Scheduler:
             return 1
         for r in self.running:
             p = r.params
-            if r.num_tokens - r.num_computed_tokens != 1 or r.num_pending or p.logprobs is not None \
+            if r.num_tokens + r.num_pending - r.num_computed_tokens != 1 or p.logprobs is not None \
                     or p.structured_outputs is not None:
                 return 1
         return max(1, min(cfg.num_scheduler_steps, cfg.max_num_batched_tokens // len(self.running)))
@@ -442,10 +443,11 @@ class Scheduler:
                 cached_n.append(n)
             req.num_blocks_sent = len(req.block_ids)
             req.num_computed_tokens += n
-        sampling = [r for r, _ in scheduled
+        # (request, tokens it samples): one, or a multi-step plan's n
+        sampling = [(r, n if multi_step else 1) for r, n in scheduled
                     if r.pooling is None and r.num_computed_tokens >= r.num_tokens + r.num_pending]
-        for r in sampling:
-            r.num_pending += 1
+        for r, m in sampling:
+            r.num_pending += m
         self._in_flight.append(([r for r, _ in scheduled], sampling))
         self._step_id += 1
         if scheduled:
@@ -499,8 +501,8 @@ class Scheduler:
         counts = result.num_sampled or itertools.repeat(1)
         eagle = dict(zip(result.draft_request_ids, result.draft_token_ids))
         scheduled, sampling = self._in_flight.popleft() if self._in_flight else ([], [])
-        for req in sampling:
-            req.num_pending -= 1
+        for req, m in sampling:
+            req.num_pending -= m
         at = 0
         for i, (rid, m) in enumerate(zip(result.request_ids, counts)):
             toks = result.sampled_token_ids[at : at + m]

@@ -608,7 +608,7 @@ def test_multi_step_config_is_checked():
 
     with pytest.raises(ValueError, match="num_scheduler_steps must be >= 1"):
         EngineConfig(model="m", num_scheduler_steps=0)
-    for clash, kw in [("async scheduling", dict(async_scheduling=True)), ("bucketing", dict(bucketing=True)),
+    for clash, kw in [("bucketing", dict(bucketing=True)),
                       ("speculative decoding", dict(speculative=SpeculativeConfig(method="ngram",
                                                                                  num_speculative_tokens=2)))]:
         with pytest.raises(ValueError, match=f"not supported with {clash}"):
@@ -622,3 +622,39 @@ def test_multi_step_shares_the_token_budget_with_every_running_request():
     s.update(w.run(s.schedule()))  # the four prefills
     p = s.schedule()
     assert p.multi_step and p.num_scheduled_tokens == [3, 3, 3, 3]  # 12 // 4 each, nobody left out
+
+
+def test_multi_step_with_async_scheduling_same_outputs_and_bounded_waste():
+    """Async scheduling makes the next multi-step plan while one runs: each request's n pending
+    tokens count as known, so the plan after continues where the worker will be. Outputs equal
+    single-step decoding; a stop mid-plan costs at most the rest of that plan and the next."""
+    toks = {"eos": [5, 6, 6, EOS, 7, 7, 7, 7, 7, 7, 7, 7], "stopid": [5, 9] + [7] * 10, "len": [5] * 10,
+            "min": [EOS, EOS, 6, EOS] + [7] * 8, "long": list(range(30, 50))}
+    got = {}
+    for mode in ("sync1", "async4"):
+        fn, rows = _counting(lambda rid, i: toks[rid][i])
+        s = make(num_scheduler_steps=4 if mode == "async4" else 1, async_scheduling=mode == "async4")
+        w = Worker(fn)
+        s.add(req("eos", 3))
+        s.add(req("stopid", 3, stop_token_ids=[9]))
+        s.add(req("len", 3, max_tokens=5))
+        s.add(req("min", 3, min_tokens=3))
+        s.add(req("long", 3, max_tokens=14))
+        outs, finish, plans = (drive_async if mode == "async4" else drive)(s, w)
+        got[mode] = (outs, finish)
+        assert s.blocks.num_free == s.blocks.num_blocks and not s.requests
+        assert all(r.num_pending == 0 for r in s.running + s.waiting)
+        if mode == "async4":
+            assert sum(p.multi_step for p in plans) >= 2
+            assert rows["len"] == 5 and rows["long"] == 14, rows  # a length stop is known ahead
+            assert rows["eos"] - 4 <= 7 and rows["stopid"] - 2 <= 7 and rows["min"] - 4 <= 7, rows
+    assert got["async4"] == got["sync1"]
+
+
+def test_multi_step_with_async_scheduling_preemption_loses_nothing():
+    s, w = _tight_pool(num_scheduler_steps=4, async_scheduling=True)
+    outs, finish, plans = drive_async(s, w)
+    assert s.num_preemptions > 0 and any(p.multi_step for p in plans)
+    assert all(outs[r] == list(range(20, 28)) for r in "abc"), outs
+    assert all(finish[r] == "length" for r in "abc")
+    assert s.blocks.num_free == 6 and not s.requests
