@@ -94,6 +94,8 @@ class EngineMetrics:
         self.dropped = g("axonserve:stats_events_dropped", "Stats events dropped under back-pressure",
                          ["actor"])
         self.events = c("axonserve:stats_events", "Stats events received")
+        self.forwards = c("axonserve:model_forwards", "Model forwards the worker ranks ran (a multi-step plan runs "
+                          "several; vllm:iteration_tokens_total counts plans)")
         self.mm_images = c("axonserve:mm_images", "Images sent to the encoder router")
         self.mm_cache_hits = c("axonserve:mm_encoder_cache_hits", "Images served from the encoder cache")
         self.mm_encode = c("axonserve:mm_encode_seconds", "Time encoder jobs took (dispatch to features)")
@@ -113,6 +115,7 @@ class EngineMetrics:
             self.prefix_hits.labels(m).inc(ev.prefix_cache_hits)
             if ev.num_tokens:
                 self.iter_tokens.labels(m).observe(ev.num_tokens)
+            self.forwards.labels(m).inc(ev.num_forwards)
             for v in ev.ttft_s:
                 self.ttft.labels(m).observe(v)
             for v in ev.itl_s:

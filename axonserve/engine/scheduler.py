@@ -450,8 +450,6 @@ class Scheduler:
             r.num_pending += m
         self._in_flight.append(([r for r, _ in scheduled], sampling))
         self._step_id += 1
-        if scheduled:
-            self.num_forwards += max(n for _, n in scheduled) if multi_step else 1
         # EAGLE drafts on worker rank 0 in the step itself, for requests that sample at its end;
         # above disable_by_batch_size the head is skipped (it would only take cores from the step)
         eagle = self.want_features and self.spec is not None and self.spec.active(self.running)
@@ -468,6 +466,7 @@ class Scheduler:
             num_drafts=num_drafts,
             multi_step=multi_step,
         )
+        self.num_forwards += plan.num_forwards
         self._to_drop = []
         return plan
 

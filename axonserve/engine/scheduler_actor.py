@@ -474,6 +474,7 @@ class SchedulerActor(Actor):
             send_s=send_s, return_s=max(0.0, rt_s - send_s - result.forward_s - result.sample_s),
             spec_drafts=d[5], spec_draft_tokens=d[6], spec_accepted_tokens=d[7],
             spec_accepted_per_pos=per_pos if any(per_pos) else [],
+            num_forwards=plan.num_forwards,
         ))
         s.ttft, s.itl = [], []
         for ev in s.finished_stats:

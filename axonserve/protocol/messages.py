@@ -317,6 +317,13 @@ class StepPlan(_Msg, tag=20):
     # decodes its n scheduled tokens in n forwards, each fed the token the one before sampled
     multi_step: bool = False
 
+    @property
+    def num_forwards(self) -> int:
+        """Model forwards this plan runs on each rank."""
+        if not self.num_scheduled_tokens:
+            return 0
+        return max(self.num_scheduled_tokens) if self.multi_step else 1
+
 
 class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Logprobs of prompt tokens `start`, `start`+1, ... of one request, computed this step."""
@@ -443,6 +450,7 @@ class StepStats(_Msg, tag=40):
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    num_forwards: int = 0  # model forwards the step ran (a multi-step plan: several)
 
 
 class RequestStats(_Msg, tag=41):
