@@ -261,7 +261,8 @@ class Scheduler:
         to N-1 forwards for its prefill); else 1. Fewer when the token budget cannot give every
         running request as many (the first in line must not take the whole budget)."""
         cfg = self.cfg
-        if cfg.num_scheduler_steps == 1 or not self.running or (self.waiting and len(self.running) < cfg.max_num_seqs):
+        seat_free = self.waiting and len(self.running) < cfg.max_num_seqs
+        if cfg.num_scheduler_steps == 1 or not self.running or seat_free:
             return 1
         for r in self.running:
             p = r.params
