@@ -19,14 +19,15 @@ from test_engine_parity import run_staggered
 
 
 @pytest.mark.timeout(300)
-async def test_pd_text_greedy_matches_transformers(tiny_llama_dir):
+@pytest.mark.parametrize("steps", [1, 4], ids=["single-step", "multi-step"])
+async def test_pd_text_greedy_matches_transformers(tiny_llama_dir, steps):
     import torch
     from transformers import AutoModelForCausalLM
 
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 49152) for _ in range(length)] for length in (1, 4, 5, 17, 40, 63)]
     config = EngineConfig(model=tiny_llama_dir, role="decode", block_size=4, num_kv_blocks=200,
-                          max_num_batched_tokens=24, log_level="warning", threads=1)
+                          max_num_batched_tokens=24, log_level="warning", threads=1, num_scheduler_steps=steps)
     stats: list = []
     got = await run_staggered(config, prompts, n=10, stats=stats)
     ref = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
@@ -34,25 +35,30 @@ async def test_pd_text_greedy_matches_transformers(tiny_llama_dir):
     # the decode engine admitted every request with imported KV: it looked up no prompt
     # token in its prefix cache (the combined engine looks up every one)
     assert stats[0].prompt_tokens > 0 and stats[0].prefix_cache_queries == 0
+    assert (stats[0].num_forwards > stats[0].num_steps) == (steps > 1)  # decode plans of several forwards
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("encoders", [0, 2], ids=["prefill-worker-encodes", "encoder-pool"])
-async def test_pd_llava_greedy_matches_transformers(tiny_llava_dir, encoders):
+@pytest.mark.parametrize("encoders,steps", [(0, 1), (2, 1), (0, 4)],
+                         ids=["prefill-worker-encodes", "encoder-pool", "multi-step-decode"])
+async def test_pd_llava_greedy_matches_transformers(tiny_llava_dir, encoders, steps):
     """Images too: encoded by the prefill worker, or by the encoder pool before the prefill
-    engine gets the features (encode -> prefill -> decode, three pools)."""
+    engine gets the features (encode -> prefill -> decode, three pools); and decoded with
+    multi-step plans."""
     from transformers import AutoTokenizer
 
     from conftest import hf_llava_greedy
 
     config = EngineConfig(model=tiny_llava_dir, role="decode", block_size=4, num_kv_blocks=400,
-                          max_num_batched_tokens=32, log_level="warning", threads=1, encoder_workers=encoders)
+                          max_num_batched_tokens=32, log_level="warning", threads=1, encoder_workers=encoders,
+                          num_scheduler_steps=steps)
     got, stats, (same_image, other_image) = await run_engine(config, CASES)
     tok = AutoTokenizer.from_pretrained(tiny_llava_dir)
     for (ids, toks), messages in zip(got, CASES):
         text, imgs = render(tok, messages, "<image>")
         assert toks == hf_llava_greedy(tiny_llava_dir, text, imgs, N)[1]
     assert stats.num_steps > 0 and stats.prefix_cache_queries == 0  # every prompt's KV was imported
+    assert (stats.num_forwards > stats.num_steps) == (steps > 1)
     assert same_image > 0 and other_image == 0  # the prefill engine's prefix cache, keyed by image
     if encoders:
         assert stats.mm_cache_hits >= 1
