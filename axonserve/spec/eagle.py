@@ -149,12 +149,13 @@ class EagleLayer(nn.Module):
         return (torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)),
                 torch.cat((self.gate_proj.weight, self.up_proj.weight)))
 
-    def pack(self) -> None:
+    def pack(self, quantization: str = "") -> None:
         """q/k/v and gate/up as one packed matmul each: a draft step is a handful of 1-4 row calls."""
         qkv, gate_up = self.merged_weights()
-        self.packed_qkv, self.packed_gate_up = PackedLinear(qkv), PackedLinear(gate_up)
-        self.o_proj = PackedLinear(self.o_proj.weight)
-        self.down_proj = PackedLinear(self.down_proj.weight)
+        self.packed_qkv = PackedLinear(qkv, None, quantization)
+        self.packed_gate_up = PackedLinear(gate_up, None, quantization)
+        self.o_proj = PackedLinear(self.o_proj.weight, None, quantization)
+        self.down_proj = PackedLinear(self.down_proj.weight, None, quantization)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, T, H] -> q [B, Hq, T, D], k/v [B, Hkv, T, D] with RoPE applied (cos/sin [B, T, 1, D])."""
@@ -283,28 +284,32 @@ class EagleHead(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
-    def pack(self) -> "EagleHead":
+    def pack(self, quantization: str = "") -> "EagleHead":
         """Inference in bf16: every matmul through the serving path's packed weights (layers/quant.py:
         oneDNN's layout, and the native skinny kernels for the 1-4 rows a draft step has), which
-        read the head's ~18 MB per draft step several times faster than plain bf16 F.linear."""
+        read the head's ~18 MB per draft step several times faster than plain bf16 F.linear.
+        quantization "int8": int8 weights on the AMX path instead (half the bytes a draft step
+        reads; a cache-cold k=2 proposal 1.56 -> 1.31 ms), for a target served quantized."""
         from axonserve.neuron.layers.quant import can_pack
 
         if self.dtype != torch.bfloat16 or not can_pack(torch.bfloat16):
             return self
-        self.fc = PackedLinear(self.fc.weight, self.fc.bias)
-        self.layer.pack()
-        self.packed_lm_head = PackedLinear(self.lm_head)
+        self.fc = PackedLinear(self.fc.weight, self.fc.bias, quantization)
+        self.layer.pack(quantization)
+        self.packed_lm_head = PackedLinear(self.lm_head, None, quantization)
         return self
 
 
 class PackedLinear(nn.Module):
-    """x @ W^T (+ b) over any leading dims, with W packed once (layers/quant.py PackedWeight)."""
+    """x @ W^T (+ b) over any leading dims, with W packed once (layers/quant.py PackedWeight, or
+    QuantizedWeight for a weight-only `quantization`)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        from axonserve.neuron.layers.quant import PackedWeight
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, quantization: str = ""):
+        from axonserve.neuron.layers.quant import PackedWeight, QuantizedWeight
 
         super().__init__()
-        self.w = PackedWeight(weight.detach())
+        w = weight.detach()
+        self.w = QuantizedWeight(w, quantization, w.dtype) if quantization else PackedWeight(w)
         self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -438,9 +443,10 @@ class EagleProposer:
     (slightly lower acceptance, outputs unaffected: every draft is verified)."""
 
     def __init__(self, path: str, target_dir: str, dtype: torch.dtype = torch.float32, num_blocks: int = 0,
-                 block_size: int = 16, max_rows: int = 256, max_position: int = 0):
-        """num_blocks: the target's KV pool (its block ids address the paged head KV); 0: dense path."""
-        self.head = EagleHead.from_pretrained(path, target_dir, dtype=dtype).pack()
+                 block_size: int = 16, max_rows: int = 256, max_position: int = 0, quantization: str = ""):
+        """num_blocks: the target's KV pool (its block ids address the paged head KV); 0: dense path.
+        quantization: the head's weight format (pack())."""
+        self.head = EagleHead.from_pretrained(path, target_dir, dtype=dtype).pack(quantization)
         self.kvs: dict[str, DraftKV] = {}
         self.paged = None
         if num_blocks:
@@ -452,9 +458,10 @@ class EagleProposer:
     def from_config(cls, config: Any, dtype: torch.dtype = torch.float32, num_blocks: int = 0,
                     max_position: int = 0) -> "EagleProposer":
         spec = config.speculative
+        # a target with quantized weights gets an int8 head (int4 would cost acceptance)
         return cls(head_dir(spec.model, config.served_model_name or config.model), config.model, dtype,
                    num_blocks=num_blocks, block_size=config.block_size, max_rows=config.max_num_seqs,
-                   max_position=max_position)
+                   max_position=max_position, quantization="int8" if config.quantization else "")
 
     def drop(self, rid: str) -> None:
         self.kvs.pop(rid, None)

@@ -76,3 +76,25 @@ def test_positions_past_the_scratch_block_are_refused(tiny_llama_dir):
     drafter = PagedDrafter.maybe(head, num_blocks=8, block_size=BS, max_rows=2, max_position=512)
     with pytest.raises(ValueError, match="past its blocks"):  # 17 drafts from position 15: two blocks past
         drafter.propose([[3]], [15], [[1]], [torch.zeros(1, 64)], BS + 3)
+
+
+def test_int8_head_drafts_like_the_bf16_head(tiny_llama_dir, tmp_path):
+    """A target served with quantized weights gets an int8 head (half the bytes a draft step
+    reads): its drafts match the bf16 head's but for near-ties."""
+    from axonserve.neuron.layers.quant import QuantizedWeight
+    from axonserve.spec.eagle import EagleHead
+
+    make_head(tiny_llama_dir).save_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    heads = [EagleHead.from_pretrained(str(tmp_path), tiny_llama_dir, dtype=torch.bfloat16).pack(q)
+             for q in ("", "int8")]
+    ws = [heads[1].fc.w, heads[1].layer.packed_qkv.w, heads[1].layer.down_proj.w, heads[1].packed_lm_head.w]
+    assert all(isinstance(w, QuantizedWeight) and w.method == "int8" for w in ws)
+    torch.manual_seed(3)
+    b, n = 8, 29
+    feats = [torch.randn(n, 64).bfloat16() for _ in range(b)]
+    toks = [torch.randint(0, 49152, (n,)) for _ in range(b)]
+    tables = [list(range(i * 8, i * 8 + 3)) for i in range(b)]
+    got = [PagedDrafter.maybe(h, num_blocks=64, block_size=BS, max_rows=8, max_position=512).propose(
+        tables, [0] * b, [t.tolist() for t in toks], feats, 2) for h in heads]
+    first = sum(g[0] == w[0] for g, w in zip(*got))
+    assert first >= b - 2, got  # unrelated drafters agree on ~1/512
