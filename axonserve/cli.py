@@ -77,7 +77,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s shape: {"method": "ngram"|"eagle", '
                         '"num_speculative_tokens": 3, "model": HEAD_DIR, "prompt_lookup_max": 3, '
-                        '"disable_by_batch_size": 4}')
+                        '"disable_by_batch_size": 8}')
     p.add_argument("--encoder-workers", type=int, default=0, metavar="N",
                    help="vision-language models: N encoder processes (vision tower + projector) behind a "
                         "router actor that caches image features; 0: the worker ranks encode images")

@@ -658,3 +658,20 @@ def test_multi_step_with_async_scheduling_preemption_loses_nothing():
     assert all(outs[r] == list(range(20, 28)) for r in "abc"), outs
     assert all(finish[r] == "length" for r in "abc")
     assert s.blocks.num_free == 6 and not s.requests
+
+
+def test_eagle_speculation_stops_above_disable_by_batch_size():
+    """Default 8: while more requests decode, plans ask worker rank 0 for no drafts (plain decoding)."""
+    from axonserve.config import SpeculativeConfig
+
+    s, w = make(max_seqs=16, speculative=SpeculativeConfig(method="eagle", num_speculative_tokens=2)), Worker()
+    for i in range(9):
+        s.add(req(f"r{i}", 3, max_tokens=20))
+    s.update(w.run(s.schedule()))  # the prefills
+    p = s.schedule()
+    assert not p.want_features and not p.num_drafts  # 9 decoding
+    s.update(w.run(p))
+    s.abort(["r8"])
+    p = s.schedule()
+    assert p.want_features and sorted(p.num_drafts) == [f"r{i}" for i in range(8)]
+    assert set(p.num_drafts.values()) == {2}
