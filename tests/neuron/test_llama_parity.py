@@ -96,3 +96,30 @@ def test_bfloat16_close_to_transformers_bfloat16(tiny_llama_dir, kernels_path):
     assert got.dtype == torch.bfloat16
 
     torch.testing.assert_close(got.float(), ref.float(), atol=0.1, rtol=0.05)  # a few bf16 ulps: fused matmuls round differently
+
+
+def test_multi_step_plans_decode_like_transformers(tiny_llama_dir, kernels_path):
+    """Multi-step plans (the runner feeds each forward's sample to the next) generate transformers'
+    greedy tokens on both attention paths, across block boundaries (4-token blocks), with runs of
+    unequal length in one plan."""
+    from axonserve.protocol.messages import CachedRequestData, NewRequestData, StepPlan
+
+    runner = make_runner(resolve_model(tiny_llama_dir))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 1024, (n,), generator=g).tolist() for n in (3, 10)]
+    model = hf_model(tiny_llama_dir)
+    ref = [hf_greedy(model, p, 14) for p in prompts]
+    greedy = SamplingParams(temperature=0.0, max_tokens=14)
+    new = [NewRequestData(f"r{i}", p, len(p), list(range(i * 8, i * 8 + 8))[::-1], 0, greedy)
+           for i, p in enumerate(prompts)]
+    res = runner.execute(StepPlan(1, new=new, num_scheduled_tokens=[len(p) for p in prompts]))
+    got = {rid: [t] for rid, t in zip(res.request_ids, res.sampled_token_ids)}
+    cached = [CachedRequestData("r0", []), CachedRequestData("r1", [])]
+    for step, ns in [(2, [5, 5]), (3, [7, 3]), (4, [1, 4])]:
+        res = runner.execute(StepPlan(step, cached=cached, num_scheduled_tokens=ns, multi_step=True))
+        assert res.error is None, res.error
+        at = 0
+        for rid, m in zip(res.request_ids, res.num_sampled):
+            got[rid] += res.sampled_token_ids[at : at + m]
+            at += m
+    assert got["r0"] == ref[0] and got["r1"] == ref[1][:13]  # 1 + 5 + 7 + 1 and 1 + 5 + 3 + 4 tokens

@@ -131,10 +131,13 @@ class AttentionMetadata:
 
 
 SHORT_QUERY = 16  # longest chunk the batched short-chunk path takes
+
+
 class DecodeRun:
     """Metadata for the forwards of one multi-step plan (`ModelRunner._execute_steps`): every
     block the run writes is allocated before it starts, so the block table is built once and a
-    forward only moves the positions on (~10 us at 32 rows, against ~45 for `build`). The
+    forward only moves the positions on (with argmax-only sampling for greedy batches, a
+    null-model forward's loop at 32 rows went 92 -> 36 us against `build` each forward). The
     sequences come longest run first: forward s takes the first m of them."""
 
     def __init__(self, context_lens: list[int], block_tables: list[list[int]], steps: list[int], block_size: int,
