@@ -197,6 +197,22 @@ def check_executor_rpcs(model: str) -> None:
         ex.shutdown()
 
 
+def check_unsupported_features(model: str) -> None:
+    """Features the ranks do not implement are refused by name when the executor is made."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from axonserve.frontends.vllm_plugin.executor import AxonExecutor
+
+    vc = EngineArgs(model=model, dtype="float32", max_model_len=64, seed=0, enforce_eager=True, kv_cache_dtype="fp8",
+                    distributed_executor_backend=EXECUTOR, kv_cache_memory_bytes=1 << 20).create_engine_config()
+    try:
+        AxonExecutor(vc).shutdown()
+    except NotImplementedError as e:
+        assert "--kv-cache-dtype fp8" in str(e), e
+    else:
+        raise AssertionError("an fp8 KV cache was accepted")
+
+
 def check_version_guard(model: str) -> None:
     import vllm
 

@@ -13,8 +13,8 @@ import pytest
 
 from tests.vllm_plugin.conftest import vllm_env
 
-CHECKS = ["plan_sequence", "logprobs_output", "sampling_params", "executor_rpcs", "plugin_entry_point",
-          "version_guard"]
+CHECKS = ["plan_sequence", "logprobs_output", "sampling_params", "executor_rpcs", "unsupported_features",
+          "plugin_entry_point", "version_guard"]
 
 
 @pytest.fixture(scope="module")

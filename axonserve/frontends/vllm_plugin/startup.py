@@ -41,6 +41,8 @@ def check_supported(vc: VllmConfig) -> None:
         "custom logits processors": bool(getattr(vc.model_config, "logits_processors", None)),
         "pooling models": vc.model_config.runner_type != "generate",
         "multimodal models": vc.model_config.is_multimodal_model,
+        # the ranks' cache holds the model's dtype; vLLM's fp8 pages would be sized for another
+        f"--kv-cache-dtype {vc.cache_config.cache_dtype}": vc.cache_config.cache_dtype not in ("auto", None),
     }
     bad = [what for what, on in blockers.items() if on]
     if bad:
