@@ -256,10 +256,11 @@ class Scheduler:
 
     def _multi_steps(self) -> int:
         """Forwards the next plan may run: `num_scheduler_steps` when every running request is a
-        decode (with async scheduling, counting the tokens in flight as known), none wants per-token logprobs or a grammar (both are
-        answered one token per step), and no waiting request could take a seat (it would wait up
-        to N-1 forwards for its prefill); else 1. Fewer when the token budget cannot give every
-        running request as many (the first in line must not take the whole budget)."""
+        decode (with async scheduling, counting the tokens in flight as known), none wants
+        per-token logprobs or a grammar (both are answered one token per step), and no waiting
+        request could take a seat (it would wait up to N-1 forwards for its prefill); else 1.
+        Fewer when the token budget cannot give every running request as many (the first in
+        line must not take the whole budget)."""
         cfg = self.cfg
         seat_free = self.waiting and len(self.running) < cfg.max_num_seqs
         if cfg.num_scheduler_steps == 1 or not self.running or seat_free:
