@@ -76,7 +76,7 @@ class Sampler:
             return ids.tolist(), (self._logprobs(raw_lp, ids, reqs) if raw_lp is not None else None)
         logits = logits.float()
         raw_lp = torch.log_softmax(logits, dim=-1) if want_lp else None
-        if all(r.params.greedy and not self._needs_processing(r) for r in reqs):
+        if all(self._plain_greedy(r) for r in reqs):
             ids = greedy_ids(logits)
         else:
             ids = self._sample(logits.clone(), reqs)
@@ -86,7 +86,11 @@ class Sampler:
     def greedy_only(self, reqs: Sequence[SamplingState]) -> bool:
         """Every row's token is its argmax as the logits stand, with nothing else to do (no
         logprobs, no adjustments, min_tokens met): `greedy_ids` alone answers."""
-        return all(r.params.greedy and r.params.logprobs is None and not self._needs_processing(r) for r in reqs)
+        return all(self._plain_greedy(r) and r.params.logprobs is None for r in reqs)
+
+    def _plain_greedy(self, r: SamplingState) -> bool:
+        """Greedy, and its logits need no adjustment before the argmax."""
+        return r.params.greedy and not self._needs_processing(r)
 
     def _needs_processing(self, r: SamplingState) -> bool:
         return self._adjusts_logits(r) or self._min_tokens_pending(r)

@@ -27,7 +27,6 @@ from axonserve.config import QUANTIZATIONS
 
 log = structlog.get_logger()
 
-METHODS = QUANTIZATIONS
 INT4_GROUP = 32
 
 
@@ -58,7 +57,7 @@ class QuantizedWeight:
             # [K/group, N, 2]: (scale, zero) with zero = lo + 8 * scale for the kernel's (q - 8)
             self.scales = torch.stack([scale, lo + 8 * scale], dim=-1).transpose(0, 1).contiguous().to(act_dtype)
         else:
-            raise ValueError(f"quantization {method!r} is not supported; supported: {', '.join(METHODS)}")
+            raise ValueError(f"quantization {method!r} is not supported; supported: {', '.join(QUANTIZATIONS)}")
 
     def _amx_int8(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         """Where AMX takes the weight (K a multiple of 32): the int8 copy in skinny_int8's layout

@@ -384,9 +384,6 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
 }
 
 // ------------------------------------------------------------------ rotary + KV-cache write
-// qkv: [T, Hq + 2 Hkv, D] (contiguous). Rotates the Q and K heads in place with the half-split
-// layout (cos, signed sin tables indexed by position: x*cos + roll(x, D/2)*sin, each product rounded
-// to T like torch's ops), then writes the rotated K heads and the V heads into their cache slots.
 // One (slot, KV head) row into an int8 cache: codes round(x / s) with s = max|x| / 127 (at least
 // 1e-30), exactly as attention.py's quantize_kv computes them.
 template <typename T>
@@ -412,6 +409,10 @@ inline void quantize_row(const T* x, int64_t D, int8_t* q, float* scale) {
   *scale = s;
 }
 
+// qkv: [T, Hq + 2 Hkv, D] (contiguous). Rotates the Q and K heads in place with the half-split
+// layout (cos, signed sin tables indexed by position: x*cos + roll(x, D/2)*sin, each product rounded
+// to T like torch's ops), then writes the rotated K heads and the V heads into their cache slots
+// (an int8 cache: codes and scales by quantize_row).
 template <typename T>
 void rotary_kv_impl(at::Tensor& qkv, int64_t Hq, int64_t Hkv, const at::Tensor& cos, const at::Tensor& sin,
                     const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
