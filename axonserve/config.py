@@ -31,6 +31,9 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
     # so it pays from ~0.1 accepted per draft (served, single stream: 0.2 -> 0.1 took EAGLE k=3 from
     # 1.15x to 1.26x; 0.0 1.25x)
     min_acceptance_rate: float = 0.1
+    # eagle: a draft chain stops after a draft the head gives less than this probability, so
+    # num_speculative_tokens becomes the longest chain (0: always k; spec/eagle.py ChainDrafts)
+    min_draft_confidence: float = 0.0
 
     @classmethod
     def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -54,6 +57,8 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
             raise ValueError('speculative method "draft_model" needs "model"')
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in [1, 16]")
+        if not 0.0 <= self.min_draft_confidence < 1.0:
+            raise ValueError("min_draft_confidence must be in [0, 1)")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         return self

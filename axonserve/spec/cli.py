@@ -12,6 +12,8 @@ def add_train_eagle_parser(sub) -> None:
     p.add_argument("--out", required=True, help="directory for the head (safetensors + eagle_config.json + report)")
     p.add_argument("--time-budget", type=float, default=900.0, help="seconds for generation + training")
     p.add_argument("--num-prompts", type=int, default=None, help="training prompts (each run greedy and sampled)")
+    p.add_argument("--first-prompt", type=int, default=0,
+                   help="start at this training prompt (a second data cache then holds other prompts than the first)")
     p.add_argument("--num-eval-prompts", type=int, default=None, help="held-out prompts for acceptance")
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (most frequent outputs)")
     p.add_argument("--max-new-tokens", type=int, default=160)
@@ -26,6 +28,7 @@ def add_train_eagle_parser(sub) -> None:
                    "their union) when it exists, else generate and save it there")
     p.add_argument("--threads", type=int, default=None, help="torch threads here and in the engine (default: all)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-mixed-precision", action="store_true", help="train in float32 even where bf16 is native")
     p.add_argument("--no-latency", action="store_true", help="skip the draft-step timing")
     p.set_defaults(func=cmd_train_eagle)
 
@@ -39,9 +42,11 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
         engine["threads"] = args.threads
-    cfg = TrainConfig(lr=args.lr, batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps, seed=args.seed)
+    cfg = TrainConfig(lr=args.lr, batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps, seed=args.seed,
+                      mixed_precision=not args.no_mixed_precision)
     report = train_eagle(args.model, args.out, args.time_budget, args.num_prompts, args.draft_vocab,
                          args.max_new_tokens, args.data_fraction, args.num_eval_prompts, init=args.init, cfg=cfg,
-                         data_cache=args.data_cache, max_steps=args.max_steps, latency=not args.no_latency, **engine)
+                         data_cache=args.data_cache, max_steps=args.max_steps, latency=not args.no_latency,
+                         first_prompt=args.first_prompt, **engine)
     print(json.dumps({k: report[k] for k in ("head_dir", "data", "val_top1", "acceptance") if k in report}, indent=1))
     return 0

@@ -350,11 +350,44 @@ class DraftKV:
         self.length = end
 
 
+class ChainDrafts:
+    """Greedy drafts of a batch of chains, one position per `add`; with min_prob > 0 each chain
+    ends at (and keeps) the first draft whose draft probability is below it -- EAGLE-2's finding
+    that the head's confidence tracks acceptance: confident chains run on to k, doubtful ones
+    stop early and neither pay for further draft steps nor pad the verification."""
+
+    def __init__(self, head: EagleHead, batch: int, k: int, min_prob: float = 0.0):
+        self.head, self.k, self.min_prob = head, k, min_prob
+        self.cols: list[torch.Tensor] = []
+        self.length = torch.full((batch,), k, dtype=torch.long)
+        self.alive = torch.ones(batch, dtype=torch.bool)
+
+    def add(self, feature: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Draft from f̂ [B, H]: (target ids [B], whether another position is worth computing)."""
+        logits = self.head.draft_logits(feature)
+        if self.min_prob > 0:
+            conf, idx = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+            stop = self.alive & (conf < self.min_prob)
+            self.length[stop] = len(self.cols) + 1
+            self.alive &= ~stop
+        else:
+            idx = greedy_ids(logits)
+        d = self.head.d2t[idx]
+        self.cols.append(d)
+        return d, len(self.cols) < self.k and bool(self.alive.any())
+
+    def lists(self) -> list[list[int]]:
+        if not self.cols:
+            return [[] for _ in range(self.length.shape[0])]
+        rows = torch.stack(self.cols, dim=1).tolist()
+        return [r[:n] for r, n in zip(rows, self.length.tolist())]
+
+
 @torch.inference_mode()
 def propose(head: EagleHead, kvs: list[DraftKV], starts: list[int], tokens: list[torch.Tensor],
-            feats: list[torch.Tensor], k: int) -> list[list[int]]:
-    """k greedy draft tokens (target ids) per request, batched over requests (k = 0: only
-    extend the KV).
+            feats: list[torch.Tensor], k: int, min_prob: float = 0.0) -> list[list[int]]:
+    """Up to k greedy draft tokens (target ids) per request, batched over requests (k = 0: only
+    extend the KV; min_prob: ChainDrafts).
 
     Request i: crop kvs[i] to starts[i], append its n_i new (feature, following token) pairs at
     positions starts[i]..starts[i]+n_i-1 (one padded catch-up pass for the batch), then k-1
@@ -404,18 +437,16 @@ def propose(head: EagleHead, kvs: list[DraftKV], starts: list[int], tokens: list
     out = step(head.inputs(fin, tok), pos)
     last = out[rows, n_t - 1]  # [B, H]: f̂ at each request's first speculative position
     cur = start_t + n_t - 1  # position of the last input
-    drafts = [torch.zeros(b, 0, dtype=torch.long)]
-    for j in range(k):
-        d = head.d2t[greedy_ids(head.draft_logits(last))]
-        drafts.append(d[:, None])
-        if j == k - 1:
-            break
-        cur = cur + 1
-        last = step(head.inputs(last[:, None], d[:, None]), cur[:, None])[:, 0]
-    end = (start_t + n_t + extra).tolist()  # positions written: through the last draft step's input
+    chains, more = ChainDrafts(head, b, k, min_prob), k > 0
+    while more:
+        d, more = chains.add(last)
+        if more:
+            cur = cur + 1
+            last = step(head.inputs(last[:, None], d[:, None]), cur[:, None])[:, 0]
+    end = (cur + 1).tolist()  # positions written: through the last draft step's input
     for i, kv in enumerate(kvs):
         kv.write(starts[i], kbuf[i, :, starts[i] : end[i]], vbuf[i, :, starts[i] : end[i]])
-    return torch.cat(drafts, dim=1).tolist()
+    return chains.lists()
 
 
 def head_dir(model: str, served_name: str) -> str:
@@ -443,10 +474,12 @@ class EagleProposer:
     (slightly lower acceptance, outputs unaffected: every draft is verified)."""
 
     def __init__(self, path: str, target_dir: str, dtype: torch.dtype = torch.float32, num_blocks: int = 0,
-                 block_size: int = 16, max_rows: int = 256, max_position: int = 0, quantization: str = ""):
+                 block_size: int = 16, max_rows: int = 256, max_position: int = 0, quantization: str = "",
+                 min_prob: float = 0.0):
         """num_blocks: the target's KV pool (its block ids address the paged head KV); 0: dense path.
-        quantization: the head's weight format (pack())."""
+        quantization: the head's weight format (pack()). min_prob: ChainDrafts."""
         self.head = EagleHead.from_pretrained(path, target_dir, dtype=dtype).pack(quantization)
+        self.min_prob = min_prob
         self.kvs: dict[str, DraftKV] = {}
         self.paged = None
         if num_blocks:
@@ -461,7 +494,8 @@ class EagleProposer:
         # a target with quantized weights gets an int8 head (int4 would cost acceptance)
         return cls(head_dir(spec.model, config.served_model_name or config.model), config.model, dtype,
                    num_blocks=num_blocks, block_size=config.block_size, max_rows=config.max_num_seqs,
-                   max_position=max_position, quantization="int8" if config.quantization else "")
+                   max_position=max_position, quantization="int8" if config.quantization else "",
+                   min_prob=spec.min_draft_confidence)
 
     def drop(self, rid: str) -> None:
         self.kvs.pop(rid, None)
@@ -475,7 +509,7 @@ class EagleProposer:
         if not request_ids:
             return []
         if self.paged is not None and block_tables is not None:
-            drafts = self.paged.propose(block_tables, starts, tokens, feats, max(num_drafts))
+            drafts = self.paged.propose(block_tables, starts, tokens, feats, max(num_drafts), self.min_prob)
             return [d[:m] for d, m in zip(drafts, num_drafts)]
         kvs = []
         for rid, start in zip(request_ids, starts):
@@ -487,5 +521,5 @@ class EagleProposer:
                 kv.write(kv.length, zeros, zeros)
             kvs.append(kv)
         drafts = propose(self.head, kvs, starts, [torch.tensor(t, dtype=torch.long) for t in tokens], feats,
-                         max(num_drafts))
+                         max(num_drafts), self.min_prob)
         return [d[:m] for d, m in zip(drafts, num_drafts)]

@@ -17,9 +17,10 @@ from axonserve.spec.data import Sequence
 from axonserve.spec.eagle import DraftKV, EagleHead, propose
 
 
-def simulate_acceptance(head: EagleHead, seqs: list[Sequence], k: int, batch: int = 16) -> dict:
-    """Mean accepted length (tokens per target forward = 1 + accepted drafts) and acceptance per position."""
-    rounds, tokens = 0, 0
+def simulate_acceptance(head: EagleHead, seqs: list[Sequence], k: int, batch: int = 16, min_prob: float = 0.0) -> dict:
+    """Mean accepted length (tokens per target forward = 1 + accepted drafts), acceptance per
+    position, and drafts per round (fewer than k where min_prob stops chains)."""
+    rounds, tokens, drafted = 0, 0, 0
     at_least = [0] * k  # rounds with >= i+1 drafts accepted
     for b0 in range(0, len(seqs), batch):
         group = [s for s in seqs[b0:b0 + batch] if len(s.ids) >= s.prompt_len + k + 1]
@@ -30,14 +31,14 @@ def simulate_acceptance(head: EagleHead, seqs: list[Sequence], k: int, batch: in
         while active:
             drafts = propose(head, [kvs[i] for i in active], [start[i] for i in active],
                              [group[i].ids[start[i] + 1:last[i] + 2] for i in active],
-                             [group[i].feats[start[i]:last[i] + 1] for i in active], k)
+                             [group[i].feats[start[i]:last[i] + 1] for i in active], k, min_prob)
             still = []
             for i, d in zip(active, drafts):
                 truth = group[i].ids[last[i] + 2:last[i] + 2 + k].tolist()
                 a = 0
-                while a < k and d[a] == truth[a]:
+                while a < len(d) and d[a] == truth[a]:
                     a += 1
-                rounds, tokens = rounds + 1, tokens + 1 + a
+                rounds, tokens, drafted = rounds + 1, tokens + 1 + a, drafted + len(d)
                 for j in range(a):
                     at_least[j] += 1
                 start[i], last[i] = last[i] + 1, last[i] + 1 + a
@@ -46,8 +47,11 @@ def simulate_acceptance(head: EagleHead, seqs: list[Sequence], k: int, batch: in
             active = still
     p = [x / max(rounds, 1) for x in at_least]
     cond = [at_least[0] / max(rounds, 1)] + [at_least[j] / max(at_least[j - 1], 1) for j in range(1, k)]
-    return {"k": k, "rounds": rounds, "tokens": tokens, "mean_accepted_length": tokens / max(rounds, 1),
-            "p_accepted_at_least": p, "conditional_acceptance": cond}
+    out = {"k": k, "rounds": rounds, "tokens": tokens, "mean_accepted_length": tokens / max(rounds, 1),
+           "p_accepted_at_least": p, "conditional_acceptance": cond}
+    if min_prob:
+        out.update(min_prob=min_prob, drafts_per_round=drafted / max(rounds, 1))
+    return out
 
 
 @torch.inference_mode()

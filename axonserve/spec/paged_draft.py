@@ -23,8 +23,7 @@ import torch
 
 from axonserve.neuron.layers.rotary import RotaryEmbedding
 from axonserve.neuron.models import fused
-from axonserve.spec.eagle import EagleHead, PackedLinear
-from axonserve.neuron.sampler import greedy_ids
+from axonserve.spec.eagle import ChainDrafts, EagleHead, PackedLinear
 
 
 def _spec(m: torch.nn.Module) -> fused.LinearSpec | None:
@@ -71,9 +70,9 @@ class PagedDrafter:
 
     @torch.inference_mode()
     def propose(self, block_tables: list[list[int]], starts: list[int], tokens: list[list[int]],
-                feats: list[torch.Tensor], k: int) -> list[list[int]]:
+                feats: list[torch.Tensor], k: int, min_prob: float = 0.0) -> list[list[int]]:
         """As eagle.propose: request i's positions starts[i].. got features feats[i] and were followed
-        by tokens[i]; returns k greedy drafts (target ids) each (k = 0: only the head KV grows)."""
+        by tokens[i]; returns up to k greedy drafts (target ids) each (k = 0: only the head KV grows)."""
         b, bs, head = len(starts), self.block_size, self.head
         if b == 0 or k < 0:
             return [[] for _ in range(b)]
@@ -104,14 +103,10 @@ class PagedDrafter:
         out = run(head.inputs(torch.cat(feats), tok), seq, pos)
         last = out[torch.from_numpy(np.cumsum(n) - 1)]  # [B, H]: f̂ at each request's first speculative position
         cur, rows = start + n - 1, np.arange(b)
-        drafts: list[torch.Tensor] = []
-        for j in range(k):
-            d = head.d2t[greedy_ids(head.draft_logits(last))]
-            drafts.append(d)
-            if j == k - 1:
-                break
-            cur = cur + 1
-            last = run(head.inputs(last, d), rows, cur)
-        if not drafts:
-            return [[] for _ in range(b)]
-        return torch.stack(drafts, dim=1).tolist()
+        chains, more = ChainDrafts(head, b, k, min_prob), k > 0
+        while more:
+            d, more = chains.add(last)
+            if more:
+                cur = cur + 1
+                last = run(head.inputs(last, d), rows, cur)
+        return chains.lists()

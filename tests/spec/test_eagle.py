@@ -26,14 +26,18 @@ def make_head(target_dir: str, seed: int = 0) -> EagleHead:
     return head
 
 
-def reference_chain(head: EagleHead, feats: torch.Tensor, toks: torch.Tensor, k: int):
-    """k drafts by full causal recompute from scratch at every step (no cache): (ids, all inputs)."""
+def reference_chain(head: EagleHead, feats: torch.Tensor, toks: torch.Tensor, k: int, min_prob: float = 0.0):
+    """k drafts by full causal recompute from scratch at every step (no cache): (ids, all inputs);
+    min_prob: the chain ends with the first draft the head gives less probability."""
     f, t, out = feats.clone(), toks.clone(), []
     with torch.no_grad():
         for _ in range(k):
             y = head(f[None], t[None])[0, -1]
-            d = head.d2t[head.draft_logits(y).argmax()]
+            probs = torch.softmax(head.draft_logits(y), dim=-1)
+            d = head.d2t[probs.argmax()]
             out.append(int(d))
+            if probs.max() < min_prob:
+                break
             f, t = torch.cat((f, y[None])), torch.cat((t, d[None]))
     return out, f, t
 
@@ -101,6 +105,35 @@ def test_propose_matches_full_recompute(tiny_llama_dir, k):
                 _, kf, vf = head(f_all[None, : kvs[i].length], t_all[None, : kvs[i].length], return_kv=True)
             torch.testing.assert_close(kvs[i].k[:, : kvs[i].length], kf[0], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(kvs[i].v[:, : kvs[i].length], vf[0], atol=1e-5, rtol=1e-5)
+
+
+def confident_head(target_dir: str) -> EagleHead:
+    """A random head whose draft probabilities spread over ~0.05-0.9 (a random one's are ~1/400),
+    so a confidence threshold cuts some chains and not others."""
+    head = make_head(target_dir)
+    head.lm_head = head.lm_head * 50.0  # sharper logits
+    return head
+
+
+def test_confidence_stopped_chains_match_a_recompute(tiny_llama_dir):
+    """min_prob ends each request's chain at its first doubtful draft (kept), the others run on to k;
+    over rounds (each cropping the last round's speculative positions) the drafts equal a recompute."""
+    head = confident_head(tiny_llama_dir)
+    torch.manual_seed(3)
+    lens = [40, 23, 31, 28]
+    feats = [torch.randn(n, 64) for n in lens]
+    toks = [torch.randint(0, 49152, (n,)) for n in lens]
+    kvs = [DraftKV.for_head(head) for _ in lens]
+    done, seen = [0] * 4, set()
+    for ns in ([9, 1, 17, 5], [3, 5, 1, 2], [1, 4, 2, 3]):
+        starts = list(done)
+        got = propose(head, kvs, starts, [toks[i][s:s + n] for i, (s, n) in enumerate(zip(starts, ns))],
+                      [feats[i][s:s + n] for i, (s, n) in enumerate(zip(starts, ns))], 5, min_prob=0.1)
+        for i, n in enumerate(ns):
+            done[i] += n
+            assert got[i] == reference_chain(head, feats[i][: done[i]], toks[i][: done[i]], 5, 0.1)[0]
+            seen.add(len(got[i]))
+    assert len(seen) >= 3, seen  # chains of several lengths, so the threshold really cut
 
 
 def test_propose_rejects_a_gap(tiny_llama_dir):

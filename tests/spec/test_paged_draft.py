@@ -11,15 +11,16 @@ from axonserve.neuron.ops import native
 from axonserve.spec.eagle import DraftKV, propose
 from axonserve.spec.paged_draft import PagedDrafter
 
-from .test_eagle import make_head, reference_chain
+from .test_eagle import confident_head, make_head, reference_chain
 
 pytestmark = pytest.mark.skipif(native.kernels() is None, reason="native kernels unavailable: dense path only")
 BS = 16
 
 
-@pytest.mark.parametrize("k", [0, 1, 4])
-def test_paged_propose_matches_full_recompute(tiny_llama_dir, k):
-    head = make_head(tiny_llama_dir)
+@pytest.mark.parametrize("k,min_prob", [(0, 0.0), (1, 0.0), (4, 0.0), (4, 0.1)])
+def test_paged_propose_matches_full_recompute(tiny_llama_dir, k, min_prob):
+    """min_prob > 0: chains stopped by confidence (ChainDrafts) match the recompute's too."""
+    head = confident_head(tiny_llama_dir) if min_prob else make_head(tiny_llama_dir)
     drafter = PagedDrafter.maybe(head, num_blocks=32, block_size=BS, max_rows=4, max_position=512)
     assert drafter is not None
     torch.manual_seed(1)
@@ -37,10 +38,10 @@ def test_paged_propose_matches_full_recompute(tiny_llama_dir, k):
                 owned[i].append(13 + len(owned[i]) + 4 * i)
         tables = [list(o[: -(-(s + n) // BS)]) for o, s, n in zip(owned, starts, ns)]
         got = drafter.propose(tables, starts, [toks[i][s:s + n].tolist() for i, (s, n) in enumerate(zip(starts, ns))],
-                              [feats[i][s:s + n] for i, (s, n) in enumerate(zip(starts, ns))], k)
+                              [feats[i][s:s + n] for i, (s, n) in enumerate(zip(starts, ns))], k, min_prob)
         for i, n in enumerate(ns):
             done[i] += n
-            want, f_all, t_all = reference_chain(head, feats[i][: done[i]], toks[i][: done[i]], k)
+            want, f_all, t_all = reference_chain(head, feats[i][: done[i]], toks[i][: done[i]], k, min_prob)
             assert got[i] == want, (i, got[i], want)
             with torch.no_grad():
                 _, kf, vf = head(f_all[None, : done[i]], t_all[None, : done[i]], return_kv=True)

@@ -34,6 +34,9 @@ def test_report_and_files(trained):
     assert [a["k"] for a in r["acceptance"]] == [1, 2, 3, 4]
     for a in r["acceptance"]:
         assert a["rounds"] > 0 and 1.0 <= a["mean_accepted_length"] <= 1 + a["k"]
+    for a in r["acceptance_by_confidence"]:  # chains of 1..6 drafts; accepted never more than drafted
+        assert a["k"] == 6 and 1.0 <= a["drafts_per_round"] <= 6
+        assert 1.0 <= a["mean_accepted_length"] <= 1 + a["drafts_per_round"]
     # the teacher-forced features reproduce what the engine served: on every greedy sequence the
     # target's argmax at position t is the token the engine generated at t+1
     greedy = [s for s in data["train"] + data["eval"] if s.greedy]
