@@ -9,6 +9,7 @@ caller's code stays synchronous.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -77,6 +78,10 @@ class LLM:
 
         resolve_task(config.model, config.task)  # a task the model cannot serve fails here, not in a worker
         self.config = config
+        # request ids never repeat within an engine: an id() of a freed object would, and a late
+        # abort of a finished request (a stop string found after the scheduler ran past it) would
+        # then hit the next call's request
+        self._request_ids = itertools.count()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="axonserve-llm", daemon=True)
         self._thread.start()
@@ -119,7 +124,7 @@ class LLM:
             ids = self._client.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             res = RequestOutput(str(i), prompt if isinstance(prompt, str) else None, ids)
             choices: dict[int, CompletionOutput] = {}
-            async for out in self._client.generate(ids, p, request_id=f"offline-{id(res)}-{i}"):
+            async for out in self._client.generate(ids, p, request_id=f"offline-{next(self._request_ids)}"):
                 c = choices.setdefault(out.index, CompletionOutput(out.index, "", [], None))
                 c.text = out.output_text
                 c.token_ids.extend(out.token_ids)
@@ -158,7 +163,7 @@ class LLM:
             self._client.validate_embed(ids)
 
         async def one(i: int, prompt: Any, ids: list[int]) -> EmbeddingRequestOutput:
-            out = await self._client.embed(ids, request_id=f"offline-embed-{id(all_ids)}-{i}", pooling=pooling)
+            out = await self._client.embed(ids, request_id=f"offline-embed-{next(self._request_ids)}", pooling=pooling)
             bar.update(1)
             return EmbeddingRequestOutput(str(i), prompt if isinstance(prompt, str) else None, ids,
                                           EmbeddingOutput(out.embedding.tolist()))
