@@ -53,13 +53,12 @@ def collect(model_dir: str, jobs: list[tuple[Prompt, float]], max_new_tokens: in
     """Run (prompt, temperature) jobs through the offline engine chunk by chunk, recording each
     chunk's features as it lands, until the next chunk would overrun the budget (both phases
     cost about the same on CPU, so the budget has to cover them together)."""
+    from axonserve.config import resolve_dtype
     from axonserve.frontends.offline import LLM
     from axonserve.protocol.messages import SamplingParams
 
     ids = encode_prompts(model_dir, [p for p, _ in jobs])
     t0 = time.perf_counter()
-    from axonserve.config import resolve_dtype
-
     # the precision the engine serves by default (--dtype auto), so the head learns the features and
     # greedy choices it will be handed; bf16 is also ~3x faster than fp32 here (feature passes dominated)
     dtype = engine_kwargs.get("dtype", "auto")

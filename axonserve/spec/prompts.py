@@ -21,9 +21,7 @@ TOPICS = [
     "whales", "the theory of relativity", "gardening", "bread baking", "the Amazon river", "robots", "tea",
     "the Industrial Revolution", "hurricanes", "photography", "the solar system", "bicycles", "dinosaurs",
     "public libraries", "nutrition", "the ocean tides", "airplanes", "recycling", "the piano", "mountains",
-]
-# More topics, so the head sees thousands of distinct contexts instead of memorising a few hundred.
-TOPICS += [
+    # thousands of distinct contexts, so the head learns the model rather than memorising a few hundred
     "the Ottoman Empire", "ancient Greece", "the Cold War", "the Aztecs", "the Vikings", "the Ming dynasty",
     "the American Civil War", "the Black Death", "the invention of the telephone", "the steam engine",
     "the Apollo program", "the Hubble Space Telescope", "Mars rovers", "comets", "exoplanets", "the Big Bang",
@@ -75,8 +73,6 @@ CHAT_TEMPLATES = [
     "Write a tweet about {t}.", "How does {t} affect everyday life?", "Write a short story involving {t}.",
     "What are common misconceptions about {t}?", "Describe {t} in three sentences.",
     "Write a haiku about {t}.", "List three questions a student might ask about {t}, and answer them.",
-]
-CHAT_TEMPLATES += [
     "What is {t}?", "Tell me about {t}.", "Write a blog post introduction about {t}.",
     "Explain {t} in simple terms.", "Write a limerick about {t}.", "What is the future of {t}?",
     "Give me a step-by-step guide to learning about {t}.", "Compare {t} with something from everyday life.",
@@ -96,8 +92,6 @@ CODE_TASKS = [
     "finds the largest element in a list", "checks whether a string is a palindrome", "flattens a nested list",
     "converts Celsius to Fahrenheit", "sorts a list of dictionaries by a key", "computes the mean of a list",
     "reads a text file and counts its words", "implements binary search", "transposes a matrix",
-]
-CODE_TASKS += [
     "adds two matrices", "counts word frequencies in a text", "checks whether two strings are anagrams",
     "returns the second largest number in a list", "converts a decimal number to binary", "capitalizes every word",
     "computes the sum of the digits of a number", "finds the common elements of two lists", "rotates a list by k",
@@ -120,8 +114,6 @@ CONTINUATIONS = [
     "Step 1: Preheat the oven to 180 degrees.\nStep 2:", "It was a dark and stormy night;",
     "The history of mathematics begins with", "Here is a list of tips for staying productive:\n1.",
     "Breaking news: scientists have discovered", "SELECT name, age FROM users WHERE",
-]
-CONTINUATIONS += [
     "The best way to learn a new skill is", "Chapter 1\n\nThe morning sun rose over", "My favourite memory is",
     "Introduction\n\nIn recent years,", "def main():\n", "for i in range(10):\n", "#include <stdio.h>\n\nint main",
     "function add(a, b) {\n", "The city was quiet that evening, except for", "Ingredients:\n- 2 cups of flour\n-",

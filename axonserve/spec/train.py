@@ -174,8 +174,8 @@ def lr_at(cfg: TrainConfig, step: int, frac: float) -> float:
 
 def train_head(head: EagleHead, seqs: list[Sequence], val: list[Sequence], cfg: TrainConfig, budget_s: float,
                max_steps: int | None = None, watch_every: int = 500) -> dict:
-    """Train fc + layer in place until the time budget (or max_steps) is spent; returns history,
-    with teacher-forced top-1 on `val` every `watch_every` steps (overfitting shows there)."""
+    """Train fc + layer in place until the time budget (or max_steps) is spent; returns history (every
+    50 steps), with teacher-forced top-1 on `val` every `watch_every` (a multiple of 50; overfitting shows there)."""
     head.train().requires_grad_(True)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -206,13 +206,13 @@ def train_head(head: EagleHead, seqs: list[Sequence], val: list[Sequence], cfg: 
             bar.set_postfix(step=step, epoch=epoch, loss=f"{lv:.3f}", top1=f"{h / max(n, 1):.3f}", refresh=False)
             bar.update(round(time.perf_counter() - t0) - bar.n)
             if step % 50 == 0:
-                hist.append({"step": step, "seconds": round(time.perf_counter() - t0, 1), "loss": round(lv, 4),
-                             "train_top1_batch": round(h / max(n, 1), 4)})
-            if val and step % watch_every == 0:
-                head.eval()
-                hist[-1]["val_top1"] = round(top1(head, val[:128], cfg)[0], 4)
-                head.train()
-                log.info("eagle.progress", **hist[-1])
+                rec = {"step": step, "seconds": round(time.perf_counter() - t0, 1), "loss": round(lv, 4),
+                       "train_top1_batch": round(h / max(n, 1), 4)}
+                if val and step % watch_every == 0:
+                    rec["val_top1"] = round(top1(head.eval(), val[:128], cfg)[0], 4)
+                    head.train()
+                    log.info("eagle.progress", **rec)
+                hist.append(rec)
     bar.close()
     head.eval().requires_grad_(False)
     return {"steps": step, "epochs": epoch, "seconds": round(time.perf_counter() - t0, 1), "history": hist}
