@@ -231,10 +231,16 @@ class AsyncEngineClient:
             raise EngineDeadError(self.dead_reason or "engine is dead")
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._requests:
-            raise ParamError("request_id", f"request id {request_id!r} is already in flight")
         subs = self._fan_out(prompt_ids, params)
+        self._refuse_in_flight(request_id, _engine_ids(request_id, len(subs)))
         return self._stream(request_id, prompt_ids, subs, images)
+
+    def _refuse_in_flight(self, request_id: str, engine_ids: list[str]) -> None:
+        """A client-chosen id (the API's `request_id`) may not name a request in flight, nor an id
+        the scheduler already holds for one (`x-0` is choice 0 of `x` with n>1): their outputs and
+        aborts would reach the wrong request."""
+        if request_id in self._requests or any(e in self._routes for e in engine_ids):
+            raise ParamError("request_id", f"request id {request_id!r} is already in flight")
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Check params and context length; return engine params (n=1, max_tokens filled)."""
@@ -299,8 +305,7 @@ class AsyncEngineClient:
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_embed(prompt_ids)
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._requests:
-            raise ParamError("request_id", f"request id {request_id!r} is already in flight")
+        self._refuse_in_flight(request_id, [request_id])
         req = _Request()
         self._requests[request_id] = self._routes[request_id] = req
         try:
@@ -387,9 +392,7 @@ class AsyncEngineClient:
         self, request_id: str, prompt_ids: list[int], subs: list[SamplingParams], images: PromptImages | None = None
     ) -> AsyncGenerator[RequestOutput, None]:
         req = _Request()
-        single = len(subs) == 1
-        for i, p in enumerate(subs):
-            cid = request_id if single else f"{request_id}-{i}"
+        for i, (cid, p) in enumerate(zip(_engine_ids(request_id, len(subs)), subs)):
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, skip_special_tokens=p.skip_special_tokens,
                 stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output,
@@ -398,6 +401,7 @@ class AsyncEngineClient:
             req.choices[cid] = _Choice(cid, i, detok)
         if self.dead:  # died between generate() and the first iteration
             raise EngineDeadError(self.dead_reason or "engine is dead")
+        self._refuse_in_flight(request_id, list(req.choices))  # one generate() of two may start first
         self._requests[request_id] = req
         self._routes.update((cid, req) for cid in req.choices)
         now = time.time()
@@ -510,6 +514,11 @@ class AsyncEngineClient:
                     await self._send(GetEngineInfo())
             elif now - self._ping_sent > self._ping_timeout:
                 self.fail_all(f"engine unresponsive: no reply to a ping within {self._ping_timeout:.0f}s")
+
+
+def _engine_ids(request_id: str, n: int) -> list[str]:
+    """The scheduler's ids for a request's n choices."""
+    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
 
 
 def _keep_vector(req: _Request, delta: RequestDelta, frames: list) -> RequestDelta:

@@ -256,3 +256,28 @@ async def test_validation(pair, tok):
 async def test_connect_times_out(tmp_path, tok):
     with pytest.raises(TimeoutError, match="EngineInfo"):
         await AsyncEngineClient.connect(f"ipc://{tmp_path}/nobody", timeout=0.5, tokenizer=tok)
+
+
+async def test_request_id_in_flight_is_refused(pair):
+    """A second request may not reuse an id in flight, nor take the engine id of another's choice
+    (`r9-1` is choice 1 of `r9` with n=2); the first request is untouched."""
+    engine, client = pair
+    task = asyncio.create_task(collect(client.generate([5], SamplingParams(n=2, max_tokens=2), "r9")))
+    adds = [await engine.adds.get() for _ in range(2)]
+    for rid in ("r9", "r9-1"):
+        with pytest.raises(ParamError, match="already in flight"):
+            client.generate([6], SamplingParams(), rid)
+    # two generate() calls may both pass the early check; the one that starts second is refused
+    first, second = client.generate([7], SamplingParams(), "r10"), client.generate([8], SamplingParams(), "r10")
+    t10 = asyncio.create_task(collect(first))
+    assert (await engine.adds.get()).request_id == "r10"
+    with pytest.raises(ParamError, match="already in flight"):
+        await collect(second)
+    for a in adds + [AddRequest("r10", [7], SamplingParams())]:
+        await engine.deltas(RequestDelta(a.request_id, [100], finish_reason="length"))
+    assert len(await task) == 2 and len(await t10) == 1
+    assert engine.adds.empty() and client.num_in_flight == 0
+    again = asyncio.create_task(collect(client.generate([6], SamplingParams(), "r9")))  # free once finished
+    assert (await engine.adds.get()).request_id == "r9"
+    await engine.deltas(RequestDelta("r9", [100], finish_reason="length"))
+    assert (await again)[-1].finish_reason == "length"

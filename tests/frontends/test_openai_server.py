@@ -216,6 +216,26 @@ def _error(resp: httpx.Response, status: int) -> dict:
     return err
 
 
+async def test_request_id_in_flight_is_400(server):
+    """vLLM's `request_id` extension: reusing an id still in flight is refused (400, param
+    request_id) and the running request goes on."""
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as h:
+        body = {"model": "tiny", "prompt": "go", "max_tokens": MAX_LEN - 8, "stream": True, "ignore_eos": True,
+                "request_id": "dup-1"}
+        async with h.stream("POST", "/v1/completions", json=body) as resp:
+            lines = resp.aiter_lines()
+            async for line in lines:
+                if line.startswith("data: "):
+                    break
+            again = await h.post("/v1/completions", json={**body, "stream": False})
+            assert _error(again, 400)["param"] == "request_id"
+            rest = [line async for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+        ok = await h.post("/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
 def test_bad_json_is_400(server):
     r = httpx.post(server.base_url + "/v1/completions", content=b"{not json",
                    headers={"content-type": "application/json"})
