@@ -1,4 +1,4 @@
-"""How good a draft head is: simulated greedy chain drafting, and what one draft step costs.
+"""How good a draft head is: simulated greedy chain (and tree) drafting, and what one draft step costs.
 
 The simulation replays speculative decoding against the target's own greedy continuation
 (whose features were recorded teacher-forced, i.e. exactly what verification would compute):
@@ -52,6 +52,42 @@ def simulate_acceptance(head: EagleHead, seqs: list[Sequence], k: int, batch: in
     if min_prob:
         out.update(min_prob=min_prob, drafts_per_round=drafted / max(rounds, 1))
     return out
+
+
+@torch.inference_mode()
+def simulate_tree_acceptance(head: EagleHead, seqs: list[Sequence], depth: int, width: int, budget: int) -> dict:
+    """What tree drafting (EAGLE-2's dynamic tree) would accept, greedy: each round expands the
+    `width` best nodes of every depth (by cumulative draft log-prob) into their `width` best
+    children, verifies the `budget` best nodes of the whole tree, and accepts the longest path
+    equal to the target's greedy continuation, plus the bonus token. A full causal recompute of
+    the head per depth (the reference, not the serving path); width 1 is the chain of `depth`."""
+    rounds = tokens = nodes = 0
+    for s in seqs:
+        last = s.prompt_len - 1
+        while last + depth + 2 <= len(s.ids):
+            feats, toks = s.feats[: last + 1].to(head.dtype), s.ids[1 : last + 2]
+            frontier: list[tuple[tuple[int, ...], float, list[torch.Tensor]]] = [((), 0.0, [])]
+            tree: list[tuple[tuple[int, ...], float]] = []
+            for _ in range(depth):
+                f = torch.stack([torch.cat([feats, *(x[None] for x in fp)]) for _, _, fp in frontier])
+                t = torch.stack([torch.cat([toks, torch.tensor(path, dtype=torch.long)]) for path, _, _ in frontier])
+                out = head(f, t)[:, -1]
+                top = torch.log_softmax(head.draft_logits(out).float(), -1).topk(width, dim=-1)
+                children = [(path + (int(head.d2t[i]),), score + lp, fp + [o])
+                            for (path, score, fp), o, lps, ids in zip(frontier, out, top.values.tolist(),
+                                                                      top.indices.tolist())
+                            for lp, i in zip(lps, ids)]
+                tree += [(path, score) for path, score, _ in children]
+                frontier = sorted(children, key=lambda c: -c[1])[:width]
+            kept = {path for path, _ in sorted(tree, key=lambda c: -c[1])[:budget]}
+            truth = tuple(s.ids[last + 2 : last + 2 + depth].tolist())
+            a = 0
+            while a < depth and truth[: a + 1] in kept:
+                a += 1
+            rounds, tokens, nodes = rounds + 1, tokens + 1 + a, nodes + len(kept)
+            last += 1 + a
+    return {"depth": depth, "width": width, "budget": budget, "rounds": rounds,
+            "mean_accepted_length": tokens / max(rounds, 1), "nodes_per_round": nodes / max(rounds, 1)}
 
 
 @torch.inference_mode()

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -30,7 +31,7 @@ from tqdm import tqdm
 from axonserve.config import cpu_has_bf16
 from axonserve.spec.data import Sequence, collect, draft_vocab
 from axonserve.spec.eagle import EagleHead, target_vocab_tensors
-from axonserve.spec.evaluate import draft_step_latency, simulate_acceptance
+from axonserve.spec.evaluate import draft_step_latency, simulate_acceptance, simulate_tree_acceptance
 from axonserve.spec.prompts import held_out_prompts, training_prompts
 
 log = structlog.get_logger()
@@ -220,15 +221,22 @@ def train_head(head: EagleHead, seqs: list[Sequence], val: list[Sequence], cfg: 
 
 def split_by_prompt(seqs: list[Sequence], val_fraction: float, seed: int) -> tuple[list[Sequence], list[Sequence]]:
     """(val, train): whole prompts go to one side, so the greedy and sampled answers to one prompt
-    (which share their opening) never sit on both sides and inflate validation top-1."""
-    groups: dict[tuple, list[Sequence]] = {}
+    (which share their opening) never sit on both sides and inflate validation top-1. A prompt's
+    side follows from its hash alone, so adding a data cache (or resuming a head) never moves an
+    earlier prompt across; at least one prompt is held out when there are two."""
+    def rank(key: bytes) -> float:
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8, salt=seed.to_bytes(8, "little")).digest(),
+                              "little") / 2**64
+
+    groups: dict[bytes, list[Sequence]] = {}
     for s in seqs:
-        groups.setdefault(tuple(s.ids[: s.prompt_len].tolist()), []).append(s)
-    keys = list(groups)
-    random.Random(seed).shuffle(keys)
-    n_val = max(1, round(val_fraction * len(keys))) if len(keys) > 1 else 0
-    val = [s for k in keys[:n_val] for s in groups[k]]
-    train = [s for k in keys[n_val:] for s in groups[k]]
+        groups.setdefault(s.ids[: s.prompt_len].numpy().astype("<i8").tobytes(), []).append(s)
+    ranks = {k: rank(k) for k in groups}
+    held = {k for k, r in ranks.items() if r < val_fraction}
+    if not held and len(groups) > 1:
+        held = {min(ranks, key=ranks.get)}
+    val = [s for k in groups if k in held for s in groups[k]]
+    train = [s for k in groups if k not in held for s in groups[k]]
     return val, train or val
 
 
@@ -261,8 +269,12 @@ def train_eagle(model: str, out: str, time_budget: float = 900.0, num_prompts: i
                 num_eval_prompts: int | None = None, eval_max_new_tokens: int = 128, init: str = "random",
                 val_fraction: float = 0.08, cfg: TrainConfig | None = None, data_cache: str = "",
                 max_steps: int | None = None, save_dtype: str = "bfloat16", latency: bool = True,
-                first_prompt: int = 0, **engine_kwargs) -> dict:
-    """The whole pipeline; returns (and writes next to the head) the report."""
+                first_prompt: int = 0, resume: str = "", trees: list[tuple[int, int, int]] = (),
+                **engine_kwargs) -> dict:
+    """The whole pipeline; returns (and writes next to the head) the report. `resume`: go on
+    training the head in that directory (its draft vocabulary kept) instead of a fresh one, so a
+    new data cache adds to earlier training rather than repeating it. `trees`: (depth, width,
+    budget) tree shapes whose simulated acceptance the report adds (minutes each on CPU)."""
     from axonserve.neuron.config import ModelConfig
     from axonserve.neuron.model_source import resolve_model
 
@@ -290,18 +302,23 @@ def train_eagle(model: str, out: str, time_budget: float = 900.0, num_prompts: i
     if not seqs:
         raise ValueError("no training sequences were generated within the time budget; raise --time-budget")
     val, train = split_by_prompt(seqs, val_fraction, cfg.seed)
-    d2t = draft_vocab(train, draft_vocab_size, mc.vocab_size, mc.eos_token_ids)
-    head = EagleHead.from_target(model_dir, d2t, target_model=model)
-    if init == "last":
-        head.init_from_target_layer(model_dir, -1)
-    elif init != "random":
+    if init not in ("random", "last"):
         raise ValueError(f"init {init!r}: expected random or last")
+    if resume:
+        head = EagleHead.from_pretrained(resume, model_dir)
+        d2t = head.d2t
+    else:
+        d2t = draft_vocab(train, draft_vocab_size, mc.vocab_size, mc.eos_token_ids)
+        head = EagleHead.from_target(model_dir, d2t, target_model=model)
+        if init == "last":
+            head.init_from_target_layer(model_dir, -1)
     val_top1_init = top1(head, val, cfg) if val else []
     budget = max(1.0, time_budget - (time.perf_counter() - t_start))
     result = train_head(head, train, val, cfg, budget, max_steps=max_steps)
     head.save_pretrained(out, dtype=getattr(torch, save_dtype))
     report = {
-        "model": model, "model_dir": model_dir, "head_dir": os.path.abspath(out), "init": init,
+        "model": model, "model_dir": model_dir, "head_dir": os.path.abspath(out),
+        "init": f"resumed from {resume}" if resume else init,
         "config": asdict(cfg), "draft_vocab_size": len(d2t),
         "data": {"train_seqs": len(train), "val_seqs": len(val), "eval_seqs": len(evals),
                  "train_tokens": sum(len(s.ids) for s in train),
@@ -316,6 +333,8 @@ def train_eagle(model: str, out: str, time_budget: float = 900.0, num_prompts: i
         report["acceptance"] = [simulate_acceptance(head, evals, k) for k in (1, 2, 3, 4)]
         # chains of up to 6 stopped by the head's confidence (--speculative-config min_draft_confidence)
         report["acceptance_by_confidence"] = [simulate_acceptance(head, evals, 6, min_prob=p) for p in (0.2, 0.4, 0.6)]
+        if trees:
+            report["tree_acceptance"] = [simulate_tree_acceptance(head, evals, *t) for t in trees]
     if latency:
         _, lm = target_vocab_tensors(model_dir, mc.tie_word_embeddings)
         sizes = sorted({min(n, mc.vocab_size) for n in (1024, len(d2t), 16384, mc.vocab_size)})
