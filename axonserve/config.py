@@ -189,8 +189,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         if self.num_scheduler_steps > 1:
-            clash = [name for name, on in (("speculative decoding", self.speculative is not None),
-                                           ("bucketing", self.bucketing), ("tensor snapshots", bool(self.snapshot)))
+            clash = [name for name, on in (("bucketing", self.bucketing), ("tensor snapshots", bool(self.snapshot)))
                      if on]
             if clash:
                 raise ValueError(f"multi-step decoding (num_scheduler_steps > 1) is not supported with {clash[0]}")

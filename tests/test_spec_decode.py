@@ -121,6 +121,24 @@ async def test_greedy_identical_with_eagle_drafts(tiny_llama_dir, reference, eag
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+async def test_multi_step_takes_over_above_the_speculation_batch_limit(tiny_llama_dir, reference, eagle_head_dir,
+                                                                      method):
+    """--num-scheduler-steps with --speculative-config: the first prompt runs alone (speculates),
+    the other six together (more than disable_by_batch_size=3: multi-step plans), the last few
+    alone again; greedy outputs unchanged, and both kinds of step ran."""
+    spec = SpeculativeConfig(method=method, model=eagle_head_dir if method == "eagle" else "", num_speculative_tokens=3,
+                             disable_by_batch_size=3, min_acceptance_rate=0.0)
+    config = EngineConfig(model=tiny_llama_dir, num_kv_blocks=400, block_size=4, log_level="warning",
+                          speculative=spec, num_scheduler_steps=4, max_num_batched_tokens=64)
+    got, stats = await _run_workload(config)
+    assert got == reference
+    assert stats.num_forwards > stats.num_steps, stats  # plans of several forwards (six decoding)
+    if method == "eagle":  # the untrained head drafts whenever asked; prompt lookup here finds
+        assert stats.spec_drafts > 0, stats  # matches only among the six (too many to speculate)
+
+
+@pytest.mark.timeout(300)
 async def test_draft_model_proposer_with_the_target_as_its_own_draft(tiny_llama_dir, reference):
     """The target as its own draft model: every greedy draft must be accepted (the whole
     pipeline — token sync, the draft model's KV reuse across calls, verification — is exact),

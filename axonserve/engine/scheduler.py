@@ -260,10 +260,14 @@ class Scheduler:
         per-token logprobs or a grammar (both are answered one token per step), and no waiting
         request could take a seat (it would wait up to N-1 forwards for its prefill); else 1.
         Fewer when the token budget cannot give every running request as many (the first in
-        line must not take the whole budget)."""
+        line must not take the whole budget). With speculative decoding, only while speculation is
+        off (more decoding requests than disable_by_batch_size): below that, drafts verified in
+        one forward beat N plain ones; above it, N forwards per plan save the step overheads."""
         cfg = self.cfg
         seat_free = self.waiting and len(self.running) < cfg.max_num_seqs
         if cfg.num_scheduler_steps == 1 or not self.running or seat_free:
+            return 1
+        if self.spec is not None and self.spec.active(self.running):
             return 1
         for r in self.running:
             p = r.params
