@@ -608,11 +608,35 @@ def test_multi_step_config_is_checked():
 
     with pytest.raises(ValueError, match="num_scheduler_steps must be >= 1"):
         EngineConfig(model="m", num_scheduler_steps=0)
-    for clash, kw in [("bucketing", dict(bucketing=True)),
-                      ("speculative decoding", dict(speculative=SpeculativeConfig(method="ngram",
-                                                                                 num_speculative_tokens=2)))]:
-        with pytest.raises(ValueError, match=f"not supported with {clash}"):
-            EngineConfig(model="m", num_scheduler_steps=4, **kw)
+    with pytest.raises(ValueError, match="not supported with bucketing"):
+        EngineConfig(model="m", num_scheduler_steps=4, bucketing=True)
+    EngineConfig(model="m", num_scheduler_steps=4, speculative=SpeculativeConfig(method="ngram"))
+
+
+def test_multi_step_only_while_speculation_is_off():
+    """With drafts on offer, up to disable_by_batch_size decoding requests verify drafts one plan a
+    forward; one more and the plans turn multi-step (and nothing drafts)."""
+    from axonserve.config import SpeculativeConfig
+
+    s = make(num_scheduler_steps=4, speculative=SpeculativeConfig(method="ngram", disable_by_batch_size=2))
+    for rid in "ab":
+        s.add(req(rid, 3, max_tokens=12))
+    plan = s.schedule()  # both prefills
+    s.update(StepResult(plan.step_id, ["a", "b"], [50, 50]))
+    for r in s.running:
+        r.spec_token_ids = [50, 50]
+    plan = s.schedule()
+    assert not plan.multi_step and plan.draft_token_ids == {"a": [50, 50], "b": [50, 50]}
+    s.update(StepResult(plan.step_id, ["a", "b"], [50, 51, 50, 51], num_sampled=[2, 2]))  # one draft each
+    s.add(req("c", 3, max_tokens=12))
+    plan = s.schedule()  # c's prefill, a and b decode alongside
+    assert not plan.multi_step and plan.num_scheduled_tokens == [3, 1, 1]  # new requests first
+    s.update(StepResult(plan.step_id, ["a", "b", "c"], [52, 52, 50]))
+    for r in s.running:
+        r.spec_token_ids = [50, 50]
+    plan = s.schedule()
+    assert plan.multi_step and not plan.draft_token_ids and plan.num_forwards == 4
+    assert s.spec.candidates(s.running) == []
 
 
 def test_multi_step_shares_the_token_budget_with_every_running_request():
