@@ -33,8 +33,9 @@ def test_shipped_head_agrees_with_the_target(smollm2_dir):
     seq = Sequence(torch.tensor(prompt + answer), len(prompt))
     FeatureRecorder(smollm2_dir).record([seq])
     acc = top1(head, [seq], TrainConfig(ttt_steps=1))[0]
-    # untrained: ~0.001; the shipped head: 0.358 (hand-written text, not its own; the 244k-token head: 0.148)
-    assert acc > 0.25, acc
+    # untrained: ~0.001; the shipped head: 0.383 (hand-written text, not its own; the 2.8M-token head of the
+    # eleventh session: 0.358, the 244k-token head: 0.148)
+    assert acc > 0.3, acc
     # a batch of 20 requests cut at different answer positions: bf16 drafts as fp32 does (near-ties aside)
     bf = EagleHead.from_pretrained(SHIPPED, smollm2_dir, dtype=torch.bfloat16)
     ns = [len(prompt) + 3 * i for i in range(20)]
