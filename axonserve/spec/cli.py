@@ -65,6 +65,6 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
                          args.max_new_tokens, args.data_fraction, args.num_eval_prompts, init=args.init, cfg=cfg,
                          data_cache=args.data_cache, max_steps=args.max_steps, latency=not args.no_latency,
                          first_prompt=args.first_prompt, resume=args.resume,
-                         trees=args.tree_report, **engine)
+                         trees=tuple(args.tree_report), **engine)
     print(json.dumps({k: report[k] for k in ("head_dir", "data", "val_top1", "acceptance") if k in report}, indent=1))
     return 0

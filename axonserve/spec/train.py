@@ -269,7 +269,7 @@ def train_eagle(model: str, out: str, time_budget: float = 900.0, num_prompts: i
                 num_eval_prompts: int | None = None, eval_max_new_tokens: int = 128, init: str = "random",
                 val_fraction: float = 0.08, cfg: TrainConfig | None = None, data_cache: str = "",
                 max_steps: int | None = None, save_dtype: str = "bfloat16", latency: bool = True,
-                first_prompt: int = 0, resume: str = "", trees: list[tuple[int, int, int]] = (),
+                first_prompt: int = 0, resume: str = "", trees: tuple[tuple[int, int, int], ...] = (),
                 **engine_kwargs) -> dict:
     """The whole pipeline; returns (and writes next to the head) the report. `resume`: go on
     training the head in that directory (its draft vocabulary kept) instead of a fresh one, so a
