@@ -34,6 +34,11 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
     # eagle: a draft chain stops after a draft the head gives less than this probability, so
     # num_speculative_tokens becomes the longest chain (0: always k; spec/eagle.py ChainDrafts)
     min_draft_confidence: float = 0.0
+    # eagle: draft trees (EAGLE-2) when tree_width > 1: each depth expands the tree_width most likely
+    # nodes into their tree_width best children, tree_depth deep, and the num_speculative_tokens most
+    # likely nodes are verified in one forward (tree attention). tree_width * (tree_depth - 1) <= 16
+    tree_width: int = 1
+    tree_depth: int = 4
 
     @classmethod
     def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -44,6 +49,11 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
             return msgspec.convert(msgspec.json.decode(value) if isinstance(value, str) else value, cls).validate()
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise ValueError(f"bad speculative config: {e}") from e
+
+    @property
+    def tree(self) -> tuple[int, int] | None:
+        """(width, depth) of EAGLE-2 draft trees, or None: chains."""
+        return (self.tree_width, self.tree_depth) if self.tree_width > 1 else None
 
     @property
     def uses_drafter(self) -> bool:
@@ -57,6 +67,13 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
             raise ValueError('speculative method "draft_model" needs "model"')
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in [1, 16]")
+        if self.tree_width > 1:
+            if self.method != "eagle":
+                raise ValueError("draft trees (tree_width > 1) are for method \"eagle\"")
+            if not 2 <= self.tree_depth or self.tree_width * (self.tree_depth - 1) > 16:
+                raise ValueError("draft trees need tree_depth >= 2 and tree_width * (tree_depth - 1) <= 16")
+        elif self.tree_width < 1:
+            raise ValueError("tree_width must be >= 1")
         if not 0.0 <= self.min_draft_confidence < 1.0:
             raise ValueError("min_draft_confidence must be in [0, 1)")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

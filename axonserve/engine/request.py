@@ -52,6 +52,8 @@ class Request:
         "t_last",
         "pooling",
         "spec_token_ids",
+        "spec_parents",
+        "verified_depth",
         "num_spec_scheduled",
         "spec",
         "mm",
@@ -110,7 +112,9 @@ class Request:
         # speculative decoding (engine/spec.py): drafts proposed for the next step, how many
         # of them the step in flight verifies, and the request's acceptance history
         self.spec_token_ids: list[int] = []
+        self.spec_parents: list[int] | None = None  # a draft tree's parent per draft (None: a chain)
         self.num_spec_scheduled = 0
+        self.verified_depth = 0  # the longest path among the drafts in flight (k for a chain)
         self.spec = None
         # images (vision-language models): their MultiModalInput, whose TensorRefs name
         # `mm_frames[field]` (raw buffers the scheduler forwards to the workers as they are)

@@ -35,6 +35,7 @@ from axonserve.config import SpeculativeConfig
 from axonserve.engine.buckets import BucketConfig
 from axonserve.engine.request import Request, Status
 from axonserve.engine.spec import SpecDecoding
+from axonserve.spec.tree import tree_depths
 from axonserve.protocol.messages import (
     CachedRequestData,
     ParamError,
@@ -420,11 +421,16 @@ class Scheduler:
     def _make_plan(self, scheduled: list[tuple[Request, int]], multi_step: bool = False) -> StepPlan:
         new, cached, new_n, cached_n = [], [], [], []
         drafts: dict[str, list[int]] = {}
+        parents: dict[str, list[int]] = {}
         self.plan_frames = []
         for req, n in scheduled:
             if req.num_spec_scheduled:
                 drafts[req.request_id] = req.spec_token_ids[: req.num_spec_scheduled]
-            req.spec_token_ids = []
+                req.verified_depth = req.num_spec_scheduled
+                if req.spec_parents is not None:  # a prefix of a tree (parents first) is a tree
+                    parents[req.request_id] = tree = req.spec_parents[: req.num_spec_scheduled]
+                    req.verified_depth = max(tree_depths(tree))
+            req.spec_token_ids, req.spec_parents = [], None
             if not req.sent_to_worker:
                 new.append(
                     NewRequestData(
@@ -468,6 +474,7 @@ class Scheduler:
             num_scheduled_tokens=new_n + cached_n,
             finished_request_ids=self._to_drop,
             draft_token_ids=drafts,
+            draft_parents=parents,
             want_features=eagle,
             num_drafts=num_drafts,
             multi_step=multi_step,
@@ -505,6 +512,7 @@ class Scheduler:
         lps = result.logprobs
         counts = result.num_sampled or itertools.repeat(1)
         eagle = dict(zip(result.draft_request_ids, result.draft_token_ids))
+        trees = dict(zip(result.draft_request_ids, result.draft_parents))
         scheduled, sampling = self._in_flight.popleft() if self._in_flight else ([], [])
         for req, m in sampling:
             req.num_pending -= m
@@ -522,7 +530,7 @@ class Scheduler:
             if k:  # m - 1 drafts accepted: the rejected ones' positions are not computed
                 req.num_computed_tokens -= k - (m - 1)
                 if self.spec is not None:
-                    self.spec.record(req, k, m - 1)
+                    self.spec.record(req, k, m - 1, req.verified_depth)
             if running:
                 self.blocks.cache_computed(req)  # verified KV only; before a finish frees the blocks
             kept, done = req.append_tokens(toks, self.cfg.eos_token_ids)
@@ -547,7 +555,7 @@ class Scheduler:
                 delta.finish_reason, delta.stop_reason = req.finish_reason, req.stop_reason
                 self._finish(req)
             elif rid in eagle and running:
-                self.take_drafts(req, eagle[rid])
+                self.take_drafts(req, eagle[rid], trees.get(rid))
             deltas.append(delta)
         for rid in result.pooled_request_ids:  # their vectors travel as frames (scheduler_actor)
             req = self.requests.get(rid)
@@ -563,11 +571,16 @@ class Scheduler:
                 self.blocks.cache_computed(req)
         return deltas
 
-    def take_drafts(self, req: Request, drafts: list[int]) -> None:
-        """Proposed tokens for req's next step: never past its last token, only valid ids."""
+    def take_drafts(self, req: Request, drafts: list[int], parents: list[int] | None = None) -> None:
+        """Proposed tokens for req's next step (a tree when parents are given): never past its
+        last token, only valid ids and trees."""
         room = req.max_total_tokens - req.num_tokens - 1
-        if room > 0 and all(0 <= t < self.cfg.vocab_size for t in drafts):
-            req.spec_token_ids = drafts[:room]
+        if room <= 0 or not all(0 <= t < self.cfg.vocab_size for t in drafts):
+            return
+        if parents is not None and (len(parents) != len(drafts) or any(not -1 <= p < j for j, p in enumerate(parents))):
+            return
+        req.spec_token_ids = drafts[:room]
+        req.spec_parents = None if parents is None else parents[:room]
 
     # ------------------------------------------------------------------ internals
 
@@ -582,7 +595,7 @@ class Scheduler:
             self._to_drop.append(req.request_id)
             req.sent_to_worker = False
         req.num_computed_tokens = 0
-        req.spec_token_ids, req.num_spec_scheduled = [], 0
+        req.spec_token_ids, req.spec_parents, req.num_spec_scheduled = [], None, 0
         req.status = Status.PREEMPTED
         bisect.insort(self.waiting, req, key=self._order_key)  # ahead of later arrivals
         self.num_preemptions += 1

@@ -107,8 +107,9 @@ class SpecDecoding:
         for r, k in reqs:
             r.spec_token_ids = ngram_propose(r.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
 
-    def record(self, req: Request, drafted: int, accepted: int) -> None:
-        """A verified step of `req`: update the counters and its back-off state."""
+    def record(self, req: Request, drafted: int, accepted: int, depth: int) -> None:
+        """A verified step of `req`: `drafted` drafts (a tree's nodes), the longest path `depth`
+        of them; update the counters and its back-off state (its rate is accepted / depth)."""
         self.num_drafts += 1
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
@@ -117,7 +118,7 @@ class SpecDecoding:
         s = req.spec
         if s is None:
             return
-        s.rate = (1 - _EMA) * s.rate + _EMA * accepted / drafted
+        s.rate = (1 - _EMA) * s.rate + _EMA * accepted / max(depth, 1)
         if s.rate < self.cfg.min_acceptance_rate:
             s.pause, s.backoff = s.backoff, min(2 * s.backoff, _MAX_PAUSE)
             s.rate = 1.0  # a fresh start after the pause

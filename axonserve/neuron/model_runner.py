@@ -29,7 +29,7 @@ from axonserve.neuron.models.bert import EncoderBatch
 from axonserve.neuron.kv_transfer import export_kv, import_kv
 from axonserve.neuron.multimodal import ImageEncoderCache, RequestImages, batch_rows
 from axonserve.neuron.ops import native
-from axonserve.neuron.ops.attention import AttentionMetadata, DecodeRun, build_static
+from axonserve.neuron.ops.attention import AttentionMetadata, DecodeRun, build_static, move_slots
 from axonserve.neuron.parallel import (
     CollectiveError,
     TPInfo,
@@ -40,6 +40,7 @@ from axonserve.neuron.parallel import (
 )
 from axonserve.neuron.pooling import resolve_task
 from axonserve.neuron.sampler import Sampler, greedy_ids
+from axonserve.spec.tree import tree_path
 from axonserve.neuron.snapshot import StepSnapshots, contiguous_rows, padded_rows
 from axonserve.neuron.structured import StructuredDecoding
 from axonserve.protocol import tensor_ref
@@ -322,9 +323,11 @@ class ModelRunner:
             d = drafts.get(st.request_id)
             input_ids.extend(st.token_ids[c : c + n] if d is None else [st.token_ids[c], *d])
             last_tok[st.request_id] = len(input_ids) - 1
+        trees = {i: [-1, *(p + 1 for p in plan.draft_parents[st.request_id])] for i, (st, _) in enumerate(flat)
+                 if st.request_id in plan.draft_parents}
         meta = AttentionMetadata.build(
             [n for _, n in flat], [st.num_computed_tokens for st, _ in flat], [st.block_ids for st, _ in flat],
-            self.block_size, native=self.native,
+            self.block_size, native=self.native, trees=trees,
         )
         if self.snapshots is not None:
             self.snapshots.begin(plan.step_id, contiguous_rows(flat), torch.tensor(input_ids), meta.positions)
@@ -351,9 +354,11 @@ class ModelRunner:
         first = [st for st in samplers if st.kv_export and len(st.token_ids) == st.num_prompt_tokens]
         kv = [export_kv(self.kv_caches, st.block_ids, self.block_size, st.num_prompt_tokens, st.request_id,
                         self.result_tensors) for st in first]  # P/D prefill: the prompt KV leaves
-        result = self._sample(plan, samplers, logits, verify=verify, prompt_logprobs=prompt_lps, kv_exports=kv)
+        paths: dict[str, list[int]] = {}
+        result = self._sample(plan, samplers, logits, verify=verify, paths=paths, prompt_logprobs=prompt_lps,
+                              kv_exports=kv)
         if plan.want_features and self.eagle is not None:
-            self._draft(plan, result, work, starts, last_tok, hidden)
+            self._draft(plan, result, work, starts, last_tok, hidden, paths)
         return result
 
     def _execute_steps(self, plan: StepPlan, work: list[tuple[RequestState, int]]) -> StepResult:
@@ -388,10 +393,12 @@ class ModelRunner:
                           num_sampled=[n for _, n in work], sample_s=sample_s)
 
     def _draft(self, plan: StepPlan, result: StepResult, work: list[tuple[RequestState, int]],
-               starts: dict[str, int], last_tok: dict[str, int], hidden: torch.Tensor) -> None:
+               starts: dict[str, int], last_tok: dict[str, int], hidden: torch.Tensor,
+               paths: dict[str, list[int]]) -> None:
         """EAGLE: extend each request's head KV over the positions that became valid this step
         (a prompt chunk, or the last known token plus the accepted drafts) with their hidden
-        states and following tokens, and draft for plan.num_drafts. A failure costs only drafts."""
+        states and following tokens, and draft for plan.num_drafts. A failure costs only drafts.
+        paths: a verified tree's accepted drafts, whose rows hold the features."""
         rids, cs, toks, feats, ks, tables = [], [], [], [], [], []
         for st, n in work:
             c = starts[st.request_id]
@@ -403,20 +410,24 @@ class ModelRunner:
             rids.append(st.request_id)
             cs.append(c)
             toks.append(follow)
-            feats.append(hidden[first : first + m])
+            path = paths.get(st.request_id)
+            feats.append(hidden[first : first + m] if path is None else
+                         hidden[torch.tensor([first, *(first + 1 + a for a in path)])])
             ks.append(plan.num_drafts.get(st.request_id, 0))
             tables.append(st.block_ids)
         try:
-            drafts = self.eagle.propose(rids, cs, toks, feats, ks, tables)
+            drafts, parents = self.eagle.propose(rids, cs, toks, feats, ks, tables)
         except (ValueError, RuntimeError, IndexError) as e:
             log.error("eagle.propose_failed", step_id=plan.step_id, error=repr(e))
             for rid in rids:  # their head state may be half-updated
                 self.eagle.drop(rid)
             return
-        for rid, d in zip(rids, drafts):
+        for i, (rid, d) in enumerate(zip(rids, drafts)):
             if d:
                 result.draft_request_ids.append(rid)
                 result.draft_token_ids.append(d)
+                if parents is not None:
+                    result.draft_parents.append(parents[i])
 
     def _execute_pooling(self, plan: StepPlan, work: list[tuple[RequestState, int]]) -> StepResult:
         """Encoder step: each scheduled request is a whole prompt; one forward, one pooled
@@ -509,9 +520,12 @@ class ModelRunner:
                             new_shapes=new_shapes, prompt_logprobs=prompt_lps)
 
     def _sample(self, plan: StepPlan, samplers: list, logits: torch.Tensor | None,
-                verify: list[RequestState] = (), **extra: Any) -> StepResult:
+                verify: list[RequestState] = (), paths: dict[str, list[int]] | None = None,
+                **extra: Any) -> StepResult:
         """Sample one token per finished request (the first len(samplers) rows of `logits`),
-        and verify the drafts of `verify` (the rows after those); append, report."""
+        and verify the drafts of `verify` (the rows after those); append, report. A verified
+        tree's accepted drafts go into `paths`, their K/V moved to the consecutive slots after
+        the last known token's."""
         if not samplers and not verify:
             return StepResult(step_id=plan.step_id, **extra)
         t0 = time.perf_counter()
@@ -531,9 +545,17 @@ class ModelRunner:
         counts: list[int] = []
         if verify:
             drafts = [plan.draft_token_ids[st.request_id] for st in verify]
+            trees = [plan.draft_parents.get(st.request_id) for st in verify]
+            chains = [list(range(-1, len(d) - 1)) for d in drafts]
             width = max(len(d) for d in drafts) + 1
-            out = tp_broadcast_ragged(self.sampler.verify(logits[n:], verify, drafts), width)
-            for st, toks in zip(verify, out):
+            out = tp_broadcast_ragged(self.sampler.verify(logits[n:], verify, drafts,
+                                                          [t or c for t, c in zip(trees, chains)]), width)
+            for st, d, tree, toks in zip(verify, drafts, trees, out):
+                if tree is not None:
+                    path = tree_path(d, tree, toks)
+                    self._move_path(st, path)
+                    if paths is not None:
+                        paths[st.request_id] = path
                 st.num_computed_tokens += len(toks)  # the last known token and the accepted drafts
                 st.token_ids.extend(toks)
                 ids.extend(toks)
@@ -549,6 +571,16 @@ class ModelRunner:
             sample_s=time.perf_counter() - t0,
             **extra,
         )
+
+
+    def _move_path(self, st: RequestState, path: list[int]) -> None:
+        """Draft a of a verified tree sits at slot position c + 1 + a; accepted as the i-th token
+        after the last known one (at c), it belongs at c + 1 + i."""
+        moves = [(st.num_computed_tokens + 1 + a, st.num_computed_tokens + 1 + i) for i, a in enumerate(path) if a != i]
+        if moves:
+            bs, ids = self.block_size, st.block_ids
+            src, dst = ([ids[p // bs] * bs + p % bs for p in ps] for ps in zip(*moves))
+            move_slots(self.kv_caches, src, dst)
 
 
 def _check_encoder_config(config: EngineConfig, mc: ModelConfig, max_model_len: int) -> None:

@@ -20,6 +20,7 @@ import torch
 from axonserve.neuron.ops import native
 
 from axonserve.protocol.messages import SamplingParams, TokenLogprobs
+from axonserve.spec.tree import tree_children, tree_depths
 
 
 class SamplingState(Protocol):
@@ -207,22 +208,29 @@ class Sampler:
             logits = _top_k_top_p(logits, top_k, top_p)
         return logits.softmax(dim=-1)
 
-    def verify(self, logits: torch.Tensor, reqs: Sequence[SamplingState], drafts: list[list[int]]) -> list[list[int]]:
+    def verify(self, logits: torch.Tensor, reqs: Sequence[SamplingState], drafts: list[list[int]],
+               parents: list[list[int]] | None = None) -> list[list[int]]:
         """Speculative decoding: request i owns len(drafts[i]) + 1 consecutive rows of `logits`
-        (the positions of its last known token and of each draft). Returns the accepted drafts
-        plus one sampled token per request.
+        (the position of its last known token, then each draft's). Draft j follows draft
+        parents[i][j] (-1: the last known token; parents before children); None: each request's
+        drafts are a chain. Returns the accepted path's drafts plus one sampled token per request.
 
-        Greedy: a draft is accepted while it equals the argmax. Random (Leviathan et al. 2023,
-        with a deterministic proposer, i.e. q one-hot on the draft): draft x is accepted with
-        probability p(x); the first rejection samples from p with x removed, renormalized; if
-        every draft is accepted a bonus token is drawn from the last row. The output then has
-        exactly the target distribution. min_tokens is applied per position; callers pass only
-        requests whose sampling has no other dependence on the tokens before it in the step
-        (engine/spec.py `eligible`)."""
+        Greedy: walk from the root to the child whose token is the argmax while there is one.
+        Random (Leviathan et al. 2023, and SpecInfer's multi-draft form for a tree, the proposer
+        deterministic): at a node, its children's tokens are tried in order, each accepted with
+        probability p(x) / (mass of p not yet rejected); a rejected token leaves p. If all are
+        rejected, the token is drawn from what is left of p (a leaf: from p itself). This is
+        sampling from p one candidate at a time, so the output has exactly the target
+        distribution. min_tokens is applied per position; callers pass only requests whose
+        sampling has no other dependence on the tokens before it in the step (engine/spec.py
+        `eligible`)."""
+        if parents is None:
+            parents = [list(range(-1, len(d) - 1)) for d in drafts]
+        kids = [tree_children(par) for par in parents]
         logits = logits.float().clone()
         rows = [r for r, d in zip(reqs, drafts) for _ in range(len(d) + 1)]
         self._apply_bias(logits, rows)
-        self._apply_min_tokens(logits, rows, [j for d in drafts for j in range(len(d) + 1)])
+        self._apply_min_tokens(logits, rows, [int(x) for par in parents for x in tree_depths(par)])
         argmax_ids = greedy_ids(logits).tolist()
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
         probs = {}
@@ -230,31 +238,38 @@ class Sampler:
             idx = torch.tensor(rand)
             probs = dict(zip(rand, self._probs(logits[idx], [rows[i] for i in rand])))
         out, at = [], 0
-        for r, d in zip(reqs, drafts):
+        for r, d, ch in zip(reqs, drafts, kids):
             toks: list[int] = []
-            for j in range(len(d) + 1):
-                row = at + j
+            node = -1
+            while True:
+                row = at + node + 1
                 if r.params.greedy:
                     tok = argmax_ids[row]
                     toks.append(tok)
-                    if j == len(d) or tok != d[j]:
-                        break
-                    continue
-                p = probs[row]
-                if j == len(d):  # every draft accepted: the bonus token
-                    toks.append(int(self._draw(p[None], [r])[0]))
+                    node = next((c for c in ch[node + 1] if d[c] == tok), -2)
+                else:
+                    node = self._accept_child(probs[row], d, ch[node + 1], r, toks)
+                if node == -2:
                     break
-                gen = r.generator if r.generator is not None else self.generator
-                if torch.rand((), generator=gen).item() < p[d[j]].item():
-                    toks.append(d[j])
-                    continue
-                residual = p.clone()
-                residual[d[j]] = 0.0
-                toks.append(int(self._draw(residual[None], [r])[0]))
-                break
             out.append(toks)
             at += len(d) + 1
         return out
+
+    def _accept_child(self, p: torch.Tensor, d: list[int], children: list[int], r: SamplingState,
+                      toks: list[int]) -> int:
+        """One node of random verification: the child accepted (its token appended), or -2 after
+        appending the token drawn from what the rejected children left of p."""
+        gen = r.generator if r.generator is not None else self.generator
+        left = p
+        for c in children:
+            x = d[c]
+            if torch.rand((), generator=gen).item() * float(left.sum()) < left[x].item():
+                toks.append(x)
+                return c
+            left = left.clone() if left is p else left
+            left[x] = 0.0
+        toks.append(int(self._draw(left[None], [r])[0]))
+        return -2
 
     def _logprobs(
         self, raw_lp: torch.Tensor, ids: torch.Tensor, reqs: Sequence[SamplingState]

@@ -309,6 +309,8 @@ class StepPlan(_Msg, tag=20):
     # speculative decoding: draft tokens to verify, by request id. They are the last
     # len(drafts) of the request's scheduled tokens (not yet in its known tokens).
     draft_token_ids: dict[str, list[int]] = {}
+    # a draft tree: draft j follows draft parents[j] (-1: the last known token); absent: a chain
+    draft_parents: dict[str, list[int]] = {}
     # EAGLE (run by worker rank 0 right after the forward): extend the draft head over the
     # positions that become valid this step, then propose num_drafts[id] tokens for those requests
     want_features: bool = False
@@ -355,6 +357,7 @@ class StepResult(_Msg, tag=21):
     # EAGLE: drafts for the next step of the plan's num_drafts requests (a request may end first)
     draft_request_ids: list[str] = []
     draft_token_ids: list[list[int]] = []
+    draft_parents: list[list[int]] = []  # aligned with draft_token_ids when they are trees; empty: chains
     kv_exports: list[KVBlocks] = []  # P/D prefill: prompt KV of kv_export requests sampled this step
 
 

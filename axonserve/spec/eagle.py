@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import structlog
 import torch
 import torch.nn.functional as F
@@ -475,17 +476,19 @@ class EagleProposer:
 
     def __init__(self, path: str, target_dir: str, dtype: torch.dtype = torch.float32, num_blocks: int = 0,
                  block_size: int = 16, max_rows: int = 256, max_position: int = 0, quantization: str = "",
-                 min_prob: float = 0.0):
+                 min_prob: float = 0.0, tree: tuple[int, int] | None = None):
         """num_blocks: the target's KV pool (its block ids address the paged head KV); 0: dense path.
-        quantization: the head's weight format (pack()). min_prob: ChainDrafts."""
+        quantization: the head's weight format (pack()). min_prob: ChainDrafts. tree: (width, depth)
+        of EAGLE-2 draft trees (TreeDrafts; the paged path only: the dense one drafts chains of depth)."""
         self.head = EagleHead.from_pretrained(path, target_dir, dtype=dtype).pack(quantization)
-        self.min_prob = min_prob
+        self.min_prob, self.tree = min_prob, tree
         self.kvs: dict[str, DraftKV] = {}
         self.paged = None
         if num_blocks:
             from axonserve.spec.paged_draft import PagedDrafter
 
-            self.paged = PagedDrafter.maybe(self.head, num_blocks, block_size, max_rows, max_position)
+            scratch = max(16, tree[0] * (tree[1] - 1)) if tree else 16  # k <= 16
+            self.paged = PagedDrafter.maybe(self.head, num_blocks, block_size, max_rows, max_position, scratch)
 
     @classmethod
     def from_config(cls, config: Any, dtype: torch.dtype = torch.float32, num_blocks: int = 0,
@@ -495,22 +498,27 @@ class EagleProposer:
         return cls(head_dir(spec.model, config.served_model_name or config.model), config.model, dtype,
                    num_blocks=num_blocks, block_size=config.block_size, max_rows=config.max_num_seqs,
                    max_position=max_position, quantization="int8" if config.quantization else "",
-                   min_prob=spec.min_draft_confidence)
+                   min_prob=spec.min_draft_confidence, tree=spec.tree)
 
     def drop(self, rid: str) -> None:
         self.kvs.pop(rid, None)
 
     def propose(self, request_ids: list[str], starts: list[int], tokens: list[list[int]],
                 feats: list[torch.Tensor], num_drafts: list[int],
-                block_tables: list[list[int]] | None = None) -> list[list[int]]:
+                block_tables: list[list[int]] | None = None) -> tuple[list[list[int]], list[list[int]] | None]:
         """Request i's positions starts[i].. got features feats[i] [n_i, H] and were followed by
-        tokens[i] (n_i ids); returns num_drafts[i] drafts each (0: only the KV grows).
-        block_tables: the requests' target blocks (the paged path needs them)."""
+        tokens[i] (n_i ids); returns num_drafts[i] drafts each (0: only the KV grows), and their
+        parents when they are trees (None: chains). block_tables: the requests' target blocks (the
+        paged path needs them)."""
         if not request_ids:
-            return []
+            return [], None
         if self.paged is not None and block_tables is not None:
-            drafts = self.paged.propose(block_tables, starts, tokens, feats, max(num_drafts), self.min_prob)
-            return [d[:m] for d, m in zip(drafts, num_drafts)]
+            tree = None if self.tree is None else (*self.tree, num_drafts)
+            drafts, parents = self.paged.propose(block_tables, starts, tokens, feats, max(num_drafts), self.min_prob,
+                                                 tree)
+            return ([d[:m] for d, m in zip(drafts, num_drafts)], parents)
+        if self.tree is not None:  # the dense path drafts the tree's deepest path as a chain
+            num_drafts = [min(m, self.tree[1]) for m in num_drafts]
         kvs = []
         for rid, start in zip(request_ids, starts):
             kv = self.kvs.get(rid)
@@ -522,4 +530,89 @@ class EagleProposer:
             kvs.append(kv)
         drafts = propose(self.head, kvs, starts, [torch.tensor(t, dtype=torch.long) for t in tokens], feats,
                          max(num_drafts), self.min_prob)
-        return [d[:m] for d, m in zip(drafts, num_drafts)]
+        return [d[:m] for d, m in zip(drafts, num_drafts)], None
+
+
+class TreeDrafts:
+    """EAGLE-2's dynamic draft tree for a batch (spec/evaluate.py simulate_tree_acceptance is
+    its reference): the root's `width` best tokens are depth 1; each further depth runs the head
+    on the `width` best nodes of the depth before (by cumulative draft log-probability), each
+    proposing its `width` best children; in the end the `budget` best nodes of the whole tree
+    are verified. A child never scores above its parent, so the best nodes include their
+    ancestors. Each expanded node's head K/V sits at a scratch position of its request; the
+    rows of the next depth attend to the context plus the scratch positions on their path."""
+
+    def __init__(self, head: EagleHead, root: torch.Tensor, width: int, depth: int, scratch: np.ndarray):
+        """root: f̂ [B, H] at each request's last known position; scratch[i]: the first of request
+        i's width * (depth - 1) scratch positions."""
+        self.head, self.width, self.depth = head, width, depth
+        b = root.shape[0]
+        self.scratch = np.asarray(scratch, dtype=np.int64)
+        self.tok = torch.empty(b, 0, dtype=torch.long)  # [B, M] target ids of every candidate node
+        self.parent = torch.empty(b, 0, dtype=torch.long)  # [B, M] parent node (-1: the root)
+        self.score = torch.empty(b, 0)  # [B, M] cumulative draft log-prob
+        self.level = torch.empty(b, 0, dtype=torch.long)  # [B, M] depth (1 = the root's children)
+        self.path = torch.empty(b, 0, max(depth - 1, 1), dtype=torch.long)  # [B, M, D-1] scratch positions on its path
+        self.feat = root[:, None]  # [B, F, H] f̂ that each frontier node's parent left
+        self.frontier = torch.zeros(b, 1, dtype=torch.long)  # placeholder: the root
+        self._children(root[:, None], parents=torch.full((b, 1), -1, dtype=torch.long),
+                       base=torch.zeros(b, 1), paths=torch.full((b, 1, self.path.shape[2]), -1, dtype=torch.long))
+        self.expanded = 0
+
+    def _children(self, out: torch.Tensor, parents: torch.Tensor, base: torch.Tensor, paths: torch.Tensor) -> None:
+        """The width best children of each of F nodes (f̂ out [B, F, H]) become candidates; the next
+        frontier is the width best of them."""
+        b, f = parents.shape
+        w = self.width
+        top = torch.log_softmax(self.head.draft_logits(out).float(), dim=-1).topk(w, dim=-1)  # [B, F, W]
+        score = (base[:, :, None] + top.values).reshape(b, f * w)
+        first = self.tok.shape[1]
+        self.tok = torch.cat((self.tok, self.head.d2t[top.indices].reshape(b, f * w)), 1)
+        self.parent = torch.cat((self.parent, parents.repeat_interleave(w, dim=1)), 1)
+        self.score = torch.cat((self.score, score), 1)
+        lvl = 1 if first == 0 else int(self.level[0, -1]) + 1
+        self.level = torch.cat((self.level, torch.full((b, f * w), lvl, dtype=torch.long)), 1)
+        self.path = torch.cat((self.path, paths.repeat_interleave(w, dim=1)), 1)
+        best = score.topk(min(w, f * w), dim=-1).indices  # [B, W]
+        self.frontier = first + best
+        self.feat = out.repeat_interleave(w, dim=1).gather(1, best[:, :, None].expand(-1, -1, out.shape[-1]))
+
+    def more(self) -> bool:
+        return int(self.level[0, -1]) < self.depth
+
+    def inputs(self) -> tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]:
+        """The frontier's rows for the head: (x [B*W, H], row depth [B*W], scratch slot position
+        [B*W], keys past the context [B*W, D-1] (-1 pad)), rows request-major."""
+        b, w = self.frontier.shape
+        fr = self.frontier
+        tok = self.tok.gather(1, fr)
+        lvl = int(self.level[0, -1])
+        slot = torch.from_numpy(self.scratch)[:, None] + self.expanded + torch.arange(w)[None, :]
+        self.expanded += w
+        path = self.path.gather(1, fr[:, :, None].expand(-1, -1, self.path.shape[2])).clone()
+        path[:, :, lvl - 1] = slot
+        self.path.scatter_(1, fr[:, :, None].expand(-1, -1, self.path.shape[2]), path)
+        x = self.head.inputs(self.feat.reshape(b * w, -1), tok.reshape(-1))
+        return (x, np.full(b * w, lvl, dtype=np.int64), slot.reshape(-1).numpy(),
+                path.reshape(b * w, -1).numpy())
+
+    def grow(self, out: torch.Tensor) -> None:
+        """f̂ [B*W, H] of the frontier rows just run: their children join the tree."""
+        b, w = self.frontier.shape
+        fr = self.frontier
+        self._children(out.view(b, w, -1), parents=fr, base=self.score.gather(1, fr),
+                       paths=self.path.gather(1, fr[:, :, None].expand(-1, -1, self.path.shape[2])))
+
+    def lists(self, budgets: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """(draft tokens, parents) per request: its budget best nodes, parents first."""
+        toks, pars = [], []
+        order = torch.argsort(self.level, dim=1, stable=True)  # depth, then creation order
+        rank = torch.argsort(torch.argsort(-self.score, dim=1, stable=True), dim=1)
+        keep_all = rank < torch.tensor(budgets)[:, None]
+        tok_l, par_l, ord_l, keep_l = self.tok.tolist(), self.parent.tolist(), order.tolist(), keep_all.tolist()
+        for i in range(len(budgets)):
+            idx = [j for j in ord_l[i] if keep_l[i][j]]
+            where = {j: n for n, j in enumerate(idx)}
+            toks.append([tok_l[i][j] for j in idx])
+            pars.append([-1 if par_l[i][j] < 0 else where[par_l[i][j]] for j in idx])
+        return toks, pars

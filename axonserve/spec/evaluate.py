@@ -55,36 +55,55 @@ def simulate_acceptance(head: EagleHead, seqs: list[Sequence], k: int, batch: in
 
 
 @torch.inference_mode()
+def reference_tree(head: EagleHead, feats: torch.Tensor, toks: torch.Tensor, depth: int, width: int,
+                   budget: int) -> tuple[list[int], list[int]]:
+    """EAGLE-2's dynamic tree by full causal recompute of the head (the reference of the serving
+    path's TreeDrafts): feats [T, H] are the target's features at positions 0..T-1, toks [T] the
+    tokens that followed them. Each depth expands the `width` best nodes of the depth before (by
+    cumulative draft log-prob) into their `width` best children; the `budget` best nodes are
+    kept. Returns (draft tokens, parents), by depth then creation order; width 1 is the chain."""
+    frontier: list[tuple[int, tuple[int, ...], float, list[torch.Tensor]]] = [(-1, (), 0.0, [])]
+    nodes: list[tuple[int, int, float, int]] = []  # (token, parent node, score, depth)
+    for level in range(1, depth + 1):
+        f = torch.stack([torch.cat([feats, *(x[None] for x in fp)]) for _, _, _, fp in frontier])
+        t = torch.stack([torch.cat([toks, torch.tensor(path, dtype=torch.long)]) for _, path, _, _ in frontier])
+        out = head(f.to(head.dtype), t)[:, -1]
+        top = torch.log_softmax(head.draft_logits(out).float(), -1).topk(width, dim=-1)
+        children = []
+        for (node, path, score, fp), o, lps, ids in zip(frontier, out, top.values.tolist(), top.indices.tolist()):
+            for lp, i in zip(lps, ids):
+                tok = int(head.d2t[i])
+                nodes.append((tok, node, score + lp, level))
+                children.append((len(nodes) - 1, path + (tok,), score + lp, fp + [o]))
+        frontier = sorted(children, key=lambda c: -c[2])[:width]
+    kept = sorted(sorted(range(len(nodes)), key=lambda j: -nodes[j][2])[:budget], key=lambda j: (nodes[j][3], j))
+    where = {j: n for n, j in enumerate(kept)}
+    return [nodes[j][0] for j in kept], [where.get(nodes[j][1], -1) for j in kept]
+
+
+def accepted_in_tree(drafts: list[int], parents: list[int], truth: list[int]) -> int:
+    """How many drafts a greedy verification accepts: the path of children matching `truth`."""
+    node, a = -1, 0
+    while a < len(truth):
+        node = next((j for j, (t, p) in enumerate(zip(drafts, parents)) if p == node and t == truth[a]), -2)
+        if node == -2:
+            break
+        a += 1
+    return a
+
+
+@torch.inference_mode()
 def simulate_tree_acceptance(head: EagleHead, seqs: list[Sequence], depth: int, width: int, budget: int) -> dict:
-    """What tree drafting (EAGLE-2's dynamic tree) would accept, greedy: each round expands the
-    `width` best nodes of every depth (by cumulative draft log-prob) into their `width` best
-    children, verifies the `budget` best nodes of the whole tree, and accepts the longest path
-    equal to the target's greedy continuation, plus the bonus token. A full causal recompute of
-    the head per depth (the reference, not the serving path); width 1 is the chain of `depth`."""
+    """What tree drafting (EAGLE-2's dynamic tree, `reference_tree`) would accept, greedy: the
+    longest path equal to the target's greedy continuation, plus the bonus token. Width 1 is
+    the chain of `depth`."""
     rounds = tokens = nodes = 0
     for s in seqs:
         last = s.prompt_len - 1
         while last + depth + 2 <= len(s.ids):
-            feats, toks = s.feats[: last + 1].to(head.dtype), s.ids[1 : last + 2]
-            frontier: list[tuple[tuple[int, ...], float, list[torch.Tensor]]] = [((), 0.0, [])]
-            tree: list[tuple[tuple[int, ...], float]] = []
-            for _ in range(depth):
-                f = torch.stack([torch.cat([feats, *(x[None] for x in fp)]) for _, _, fp in frontier])
-                t = torch.stack([torch.cat([toks, torch.tensor(path, dtype=torch.long)]) for path, _, _ in frontier])
-                out = head(f, t)[:, -1]
-                top = torch.log_softmax(head.draft_logits(out).float(), -1).topk(width, dim=-1)
-                children = [(path + (int(head.d2t[i]),), score + lp, fp + [o])
-                            for (path, score, fp), o, lps, ids in zip(frontier, out, top.values.tolist(),
-                                                                      top.indices.tolist())
-                            for lp, i in zip(lps, ids)]
-                tree += [(path, score) for path, score, _ in children]
-                frontier = sorted(children, key=lambda c: -c[1])[:width]
-            kept = {path for path, _ in sorted(tree, key=lambda c: -c[1])[:budget]}
-            truth = tuple(s.ids[last + 2 : last + 2 + depth].tolist())
-            a = 0
-            while a < depth and truth[: a + 1] in kept:
-                a += 1
-            rounds, tokens, nodes = rounds + 1, tokens + 1 + a, nodes + len(kept)
+            drafts, parents = reference_tree(head, s.feats[: last + 1], s.ids[1 : last + 2], depth, width, budget)
+            a = accepted_in_tree(drafts, parents, s.ids[last + 2 : last + 2 + depth].tolist())
+            rounds, tokens, nodes = rounds + 1, tokens + 1 + a, nodes + len(drafts)
             last += 1 + a
     return {"depth": depth, "width": width, "budget": budget, "rounds": rounds,
             "mean_accepted_length": tokens / max(rounds, 1), "nodes_per_round": nodes / max(rounds, 1)}

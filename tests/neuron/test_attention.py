@@ -44,3 +44,50 @@ def test_mixed_batch_matches_dense_attention():
         ref = torch.einsum("hqk,khd->qhd", probs, vals)
         torch.testing.assert_close(out[row : row + qn], ref, atol=1e-5, rtol=1e-5)
         row += qn
+
+
+def test_draft_tree_rows_attend_to_their_ancestors():
+    """Speculative verification of draft trees: a tree's rows sit at position context + depth and
+    attend to the context plus their ancestors (and themselves), through the batched short-chunk
+    path (two equal trees), a prefill chunk (a tree of another size) and the native kernel's extra
+    keys, next to a decode and a chain verification."""
+    from axonserve.neuron.ops import native
+
+    g = torch.Generator().manual_seed(1)
+    bs, blocks, hkv, hq, d = 4, 64, 2, 4, 32
+    # row parents: root (-1), then each draft's parent row
+    tree_a = [-1, 0, 0, 1, 1, 2, 3]
+    tree_b = [-1, 0, 1, 0, 3, 0, 5]
+    tree_c = [-1, 0, 0, 0, 2]
+    seqs = [(1, 9), (7, 5), (7, 14), (3, 6), (5, 10)]  # decode, two 7-row trees, a chain, a 5-row tree
+    trees = {1: tree_a, 2: tree_b, 4: tree_c}
+    tables = random_block_tables(seqs, bs, blocks, g)
+    kinds = [None] + ([native.for_dtype(torch.float32)] if native.for_dtype(torch.float32) is not None else [])
+    k_init = torch.randn(blocks, bs, hkv, d, generator=g)
+    v_init = torch.randn(blocks, bs, hkv, d, generator=g)
+    t = sum(q for q, _ in seqs)
+    q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
+    for kernels in kinds:
+        meta = AttentionMetadata.build([n for n, _ in seqs], [c for _, c in seqs], tables, bs, native=kernels,
+                                       trees=trees)
+        if kernels is None:
+            assert meta.short == (2, 7) and len(meta.prefills) == 2
+        k_cache, v_cache = k_init.clone(), v_init.clone()
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, d ** -0.5)
+        row = 0
+        for i, ((qn, ctx), table) in enumerate(zip(seqs, tables)):
+            parents = trees.get(i, list(range(-1, qn - 1)))
+            depth, seen = [0] * qn, [{r} for r in range(qn)]
+            for r, p in enumerate(parents):
+                if p >= 0:
+                    depth[r], seen[r] = depth[p] + 1, seen[r] | seen[p]
+            assert meta.positions[row : row + qn].tolist() == [ctx + x for x in depth]
+            slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(ctx + qn)])
+            keys = k_cache.view(-1, hkv, d)[slots].repeat_interleave(hq // hkv, dim=1)
+            vals = v_cache.view(-1, hkv, d)[slots].repeat_interleave(hq // hkv, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q[row : row + qn], keys) * d ** -0.5
+            mask = torch.tensor([[j < ctx or (j - ctx) in seen[r] for j in range(ctx + qn)] for r in range(qn)])
+            ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), vals)
+            torch.testing.assert_close(out[row : row + qn], ref, atol=1e-5, rtol=1e-5)
+            row += qn
+    assert len(kinds) == 2 or native.kernels() is None  # the kernel path ran wherever it is built

@@ -9,6 +9,7 @@ import torch
 
 from axonserve.neuron.ops import native
 from axonserve.spec.eagle import DraftKV, propose
+from axonserve.spec.evaluate import reference_tree
 from axonserve.spec.paged_draft import PagedDrafter
 
 from .test_eagle import confident_head, make_head, reference_chain
@@ -38,7 +39,7 @@ def test_paged_propose_matches_full_recompute(tiny_llama_dir, k, min_prob):
                 owned[i].append(13 + len(owned[i]) + 4 * i)
         tables = [list(o[: -(-(s + n) // BS)]) for o, s, n in zip(owned, starts, ns)]
         got = drafter.propose(tables, starts, [toks[i][s:s + n].tolist() for i, (s, n) in enumerate(zip(starts, ns))],
-                              [feats[i][s:s + n] for i, (s, n) in enumerate(zip(starts, ns))], k, min_prob)
+                              [feats[i][s:s + n] for i, (s, n) in enumerate(zip(starts, ns))], k, min_prob)[0]
         for i, n in enumerate(ns):
             done[i] += n
             want, f_all, t_all = reference_chain(head, feats[i][: done[i]], toks[i][: done[i]], k, min_prob)
@@ -64,7 +65,7 @@ def test_packed_bf16_head_drafts_like_the_dense_path(tiny_llama_dir, tmp_path):
     feats = [torch.randn(n, 64).bfloat16() for _ in range(b)]
     toks = [torch.randint(0, 49152, (n,)) for _ in range(b)]
     tables = [list(range(i * 8, i * 8 + 3)) for i in range(b)]
-    got = drafter.propose(tables, [0] * b, [t.tolist() for t in toks], feats, 3)
+    got = drafter.propose(tables, [0] * b, [t.tolist() for t in toks], feats, 3)[0]
     want = propose(head, [DraftKV.for_head(head) for _ in range(b)], [0] * b, toks, feats, 3)
     # a near-tie that flips one request's first draft changes its later drafts too: allow two of those
     first = sum(g[0] == w[0] for g, w in zip(got, want))
@@ -96,6 +97,37 @@ def test_int8_head_drafts_like_the_bf16_head(tiny_llama_dir, tmp_path):
     toks = [torch.randint(0, 49152, (n,)) for _ in range(b)]
     tables = [list(range(i * 8, i * 8 + 3)) for i in range(b)]
     got = [PagedDrafter.maybe(h, num_blocks=64, block_size=BS, max_rows=8, max_position=512).propose(
-        tables, [0] * b, [t.tolist() for t in toks], feats, 2) for h in heads]
+        tables, [0] * b, [t.tolist() for t in toks], feats, 2)[0] for h in heads]
     first = sum(g[0] == w[0] for g, w in zip(*got))
     assert first >= b - 2, got  # unrelated drafters agree on ~1/512
+
+
+@pytest.mark.parametrize("width,depth,budgets", [(3, 4, [8, 5, 1]), (4, 3, [9, 12, 4]), (2, 2, [3, 0, 2])])
+def test_paged_tree_matches_full_recompute(tiny_llama_dir, width, depth, budgets):
+    """EAGLE-2 trees (TreeDrafts over the scratch block, tree attention through the kernel's extra
+    keys) are the trees a full recompute of the head builds, over two rounds, each request with
+    its own node budget; the catch-up K/V stays the recompute's."""
+    head = confident_head(tiny_llama_dir)
+    drafter = PagedDrafter.maybe(head, num_blocks=32, block_size=BS, max_rows=4, max_position=512)
+    torch.manual_seed(4)
+    lens = [40, 23, 31]
+    feats = [torch.randn(n, 64) for n in lens]
+    toks = [torch.randint(0, 49152, (n,)) for n in lens]
+    owned = [[7, 2, 30], [0, 5], [11, 12]]
+    done = [0, 0, 0]
+    for ns in ([17, 15, 16], [3, 1, 15]):  # request 2's second round ends on its block's last position
+        starts = list(done)
+        tables = [list(o[: -(-(s + n) // BS)]) for o, s, n in zip(owned, starts, ns)]
+        got, parents = drafter.propose(
+            tables, starts, [toks[i][s:s + n].tolist() for i, (s, n) in enumerate(zip(starts, ns))],
+            [feats[i][s:s + n] for i, (s, n) in enumerate(zip(starts, ns))], max(budgets), tree=(width, depth, budgets))
+        for i, n in enumerate(ns):
+            done[i] += n
+            want = reference_tree(head, feats[i][: done[i]], toks[i][: done[i]], depth, width, budgets[i])
+            assert (got[i], parents[i]) == want, i
+            assert len(got[i]) == budgets[i] and all(p < j for j, p in enumerate(parents[i]))
+            with torch.no_grad():
+                _, kf, _ = head(feats[i][None, : done[i]], toks[i][None, : done[i]], return_kv=True)
+            pos = torch.arange(done[i])
+            blocks = torch.tensor(tables[i])[pos // BS]
+            torch.testing.assert_close(drafter.k[blocks, pos % BS].transpose(0, 1), kf[0], atol=1e-5, rtol=1e-5)

@@ -123,7 +123,7 @@ class LlamaModel(nn.Module):
                 self._stack = (key, fused.build(self, kv_caches, meta.native))
             if self._stack[1] is not None:
                 return self._stack[1].forward(x, meta.positions, meta.slot_mapping, meta.native_block_table,
-                                              meta.native_row_seq, meta.native_row_kv_len)
+                                              meta.native_row_seq, meta.native_row_kv_len, meta.native_row_extra)
         # the native rotary kernel indexes the tables by position itself
         cos, sin = (self.rotary.cos, self.rotary.sin) if meta.native is not None else self.rotary(positions)
         for layer, kv in zip(self.layers, kv_caches):

@@ -55,15 +55,19 @@ class AttentionMetadata:
     native_block_table: torch.Tensor | None = None  # [sequences, max_blocks] long
     native_row_seq: torch.Tensor | None = None  # [native_rows] long: the row's block-table row
     native_row_kv_len: torch.Tensor | None = None  # [native_rows] long: keys the row attends to
+    native_row_extra: torch.Tensor | None = None  # [native_rows, E] long: draft-tree keys past kv_len (-1: none)
     native_idx: torch.Tensor | None = None  # flat rows the kernel takes when not all (long chunks: SDPA)
 
     @classmethod
     def build(
         cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int,
-        native: ModuleType | None = None,
+        native: ModuleType | None = None, trees: dict[int, list[int]] | None = None,
     ) -> "AttentionMetadata":
         """Sequences must come decodes (query_len == 1) first, then prefills, in flat-batch order.
-        native: the kernels module, when the model's dtype has native kernels."""
+        native: the kernels module, when the model's dtype has native kernels.
+        trees: sequence index -> the parent row of each of its query rows (speculative verification
+        of a draft tree: row 0, the last known token, has parent -1). Its rows occupy consecutive
+        slots but sit at position context + depth and attend to the context plus their ancestors."""
         n = len(query_lens)
         q = np.asarray(query_lens, dtype=np.int64)
         ctx = np.asarray(context_lens, dtype=np.int64)
@@ -81,6 +85,10 @@ class AttentionMetadata:
         starts = np.cumsum(q) - q
         positions = np.arange(int(q.sum())) - np.repeat(starts, q) + np.repeat(ctx, q)
         slots = table[seq_of_tok, positions // block_size] * block_size + positions % block_size
+        shapes = {i: tree_shape(par) for i, par in (trees or {}).items()}  # i -> (depth, ancestor mask)
+        slot_pos = positions.copy()  # where each row's K/V is written (a tree row's position is its depth)
+        for i, (depth, _) in shapes.items():
+            positions[starts[i] : starts[i] + q[i]] = ctx[i] + depth
         meta = cls(positions=torch.from_numpy(positions), slot_mapping=torch.from_numpy(slots), native=native)
         if native is not None:
             # decodes, verifications and short chunks read their keys from the cache in place, one
@@ -98,7 +106,16 @@ class AttentionMetadata:
             meta.native_rows = len(rows)
             meta.native_block_table = torch.from_numpy(table)
             meta.native_row_seq = torch.from_numpy(seq_of_tok[rows])
-            meta.native_row_kv_len = torch.from_numpy(positions[rows] + 1)
+            kv_len = slot_pos + 1
+            if shapes:
+                extra = np.full((len(positions), 1 + max(int(d.max()) for d, _ in shapes.values())), -1, np.int64)
+                for i, (_, anc) in shapes.items():
+                    kv_len[starts[i] : starts[i] + q[i]] = ctx[i]
+                    for r in range(int(q[i])):
+                        seen = ctx[i] + np.flatnonzero(anc[r])
+                        extra[starts[i] + r, : len(seen)] = seen
+                meta.native_row_extra = torch.from_numpy(np.ascontiguousarray(extra[rows]))
+            meta.native_row_kv_len = torch.from_numpy(kv_len[rows])
             prefill_seqs = [int(i) for i in long]
         else:
             meta.num_decodes = first = num_decodes
@@ -117,7 +134,11 @@ class AttentionMetadata:
                     meta.short_block_table = torch.from_numpy(np.ascontiguousarray(table[sl, :w]))
                     key_pos = np.arange(w * block_size)[None, None, :]
                     limit = ctx[sl, None, None] + np.arange(qs)[None, :, None]
-                    meta.short_mask = torch.from_numpy(key_pos <= limit)
+                    mask = key_pos <= limit
+                    for i in range(first, first + num_short):
+                        if i in shapes:
+                            mask[i - first, :, ctx[i] : ctx[i] + qs] = shapes[i][1]
+                    meta.short_mask = torch.from_numpy(mask)
                     first += num_short
             prefill_seqs = list(range(first, n))
         for i in prefill_seqs:
@@ -126,11 +147,40 @@ class AttentionMetadata:
                 kv = int(seq_lens[i])
                 p.block_ids = torch.from_numpy(table[i, : int(blocks_needed[i])].copy())
                 p.mask = torch.ones(int(q[i]), kv, dtype=torch.bool).tril(diagonal=p.context_len)
+                if i in shapes:
+                    p.mask[:, p.context_len :] = torch.from_numpy(shapes[i][1])
             meta.prefills.append(p)
         return meta
 
 
+def move_slots(kv_caches: list[tuple[torch.Tensor, ...]], src: list[int], dst: list[int]) -> None:
+    """Copy every layer's cache rows (K, V and an int8 cache's scales) at slots `src` to `dst`:
+    a verified draft tree's accepted path into the consecutive positions it now holds."""
+    s, d = torch.tensor(src), torch.tensor(dst)
+    for layer in kv_caches:
+        for t in layer:
+            flat = t.view(t.shape[0] * t.shape[1], -1)
+            flat.index_copy_(0, d, flat.index_select(0, s))
+
+
 SHORT_QUERY = 16  # longest chunk the batched short-chunk path takes
+
+
+def tree_shape(parents: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(depth [q], ancestor-or-self mask [q, q] bool) of a tree given each row's parent row
+    (-1 for the root, else an earlier row)."""
+    n = len(parents)
+    depth = np.zeros(n, dtype=np.int64)
+    anc = np.eye(n, dtype=bool)
+    for r, p in enumerate(parents):
+        if p >= 0:
+            if p >= r:
+                raise ValueError(f"tree row {r} has parent {p}: parents must come first")
+            depth[r] = depth[p] + 1
+            anc[r] |= anc[p]
+        elif r:
+            raise ValueError(f"tree row {r} has no parent: only row 0 is the root")
+    return depth, anc
 
 
 class DecodeRun:
@@ -271,7 +321,8 @@ def paged_attention(
             qn = q if idx is None else q.index_select(0, idx)
             on = out if idx is None else torch.empty(qn.shape, dtype=q.dtype)
             meta.native.paged_attention(on, qn, k_cache, v_cache, meta.native_block_table,
-                                        meta.native_row_seq, meta.native_row_kv_len, scale, k_scale, v_scale)
+                                        meta.native_row_seq, meta.native_row_kv_len, scale, k_scale, v_scale,
+                                        meta.native_row_extra)
             if idx is not None:
                 out.index_copy_(0, idx, on)
         _prefills(q, k, v, k_cache, v_cache, meta, scale, out, k_scale, v_scale)

@@ -168,7 +168,8 @@ inline void softmax_inplace(float* s, int64_t n) {
 }
 
 // ------------------------------------------------------------------ paged attention
-// Row r of q attends to the first kv_len[r] positions of sequence seq[r]'s blocks. Work item =
+// Row r of q attends to the first kv_len[r] positions of sequence seq[r]'s blocks, then to the
+// positions in extra[r] (optional [R, E], -1 padded: a draft tree's ancestors). Work item =
 // (row, kv head): the `group` query heads sharing that KV head read each key once. Scores are
 // exact softmax (max, exp, sum) over the row's keys; accumulation in float32.
 struct AttnArgs {
@@ -176,17 +177,27 @@ struct AttnArgs {
   const int64_t *bt, *seq, *kvl;
   float scale;
   const float *ks = nullptr, *vs = nullptr;  // int8 caches: scale per (slot, KV head)
+  const int64_t* extra = nullptr;  // [R, E] key positions past kv_len (-1: none)
+  int64_t E = 0;
 };
 
 // element offset of each key row (same for K and V): walks the block table without a division per key
-inline void key_offsets(const AttnArgs& a, int64_t r, int64_t h, std::vector<int64_t>& off) {
+// (and of the row's extra positions after them); returns the number of keys
+inline int64_t key_offsets(const AttnArgs& a, int64_t r, int64_t h, std::vector<int64_t>& off) {
   const int64_t L = a.kvl[r];
   const int64_t* table = a.bt + a.seq[r] * a.W;
-  off.resize(L);
+  off.resize(L + a.E);
   for (int64_t t0 = 0, b = 0; t0 < L; t0 += a.bs, ++b) {
     const int64_t base = (table[b] * a.bs * a.Hkv + h) * a.D, n = std::min(a.bs, L - t0);
     for (int64_t i = 0; i < n; ++i) off[t0 + i] = base + i * a.Hkv * a.D;
   }
+  int64_t n = L;
+  for (int64_t e = 0; e < a.E; ++e) {
+    const int64_t p = a.extra[r * a.E + e];
+    if (p >= 0) off[n++] = ((table[p / a.bs] * a.bs + p % a.bs) * a.Hkv + h) * a.D;
+  }
+  off.resize(n);
+  return n;
 }
 
 // head_dim = 16 * ND with AVX-512. The G query heads of the KV head share each key/value load:
@@ -199,8 +210,7 @@ void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const C* kc, const C
 #ifdef AXON_AVX512
   constexpr int D = 16 * ND, GC = ND >= 16 ? 1 : 16 / ND;  // GC * ND accumulators <= 16 registers
   constexpr bool Q8 = std::is_same_v<C, int8_t>;  // int8 cache: a float32 scale per (slot, head)
-  const int64_t G = a.G, L = a.kvl[r];
-  key_offsets(a, r, h, off);
+  const int64_t G = a.G, L = key_offsets(a, r, h, off);
   scores.resize(G * L + G * D + (Q8 ? 2 * L : 0));
   float* qs = scores.data() + G * L;  // the G query rows, scaled, as float32
   float* ksc = qs + G * D;  // Q8: the keys' and values' scales, in key order
@@ -281,8 +291,7 @@ template <typename T, typename C>
 void attend_item_scalar(const AttnArgs& a, const T* qp, T* op, const C* kc, const C* vc, int64_t r, int64_t h,
                         std::vector<float>& scores, std::vector<int64_t>& off) {
   constexpr bool Q8 = std::is_same_v<C, int8_t>;
-  const int64_t G = a.G, L = a.kvl[r], D = a.D;
-  key_offsets(a, r, h, off);
+  const int64_t G = a.G, L = key_offsets(a, r, h, off), D = a.D;
   scores.resize(G * L);
   std::vector<float> acc(D);
   for (int64_t g = 0; g < G; ++g) {
@@ -311,11 +320,15 @@ void attend_item_scalar(const AttnArgs& a, const T* qp, T* op, const C* kc, cons
 template <typename T, typename C>
 void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& block_table, const at::Tensor& row_seq, const at::Tensor& row_kv_len,
-                          double scale, const float* ks, const float* vs) {
+                          double scale, const float* ks, const float* vs, const c10::optional<at::Tensor>& extra) {
   AttnArgs a{q.size(0), q.size(1), q.size(2), k_cache.size(1), k_cache.size(2), q.size(1) / k_cache.size(2),
              q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.size(1),
              block_table.data_ptr<int64_t>(), row_seq.data_ptr<int64_t>(), row_kv_len.data_ptr<int64_t>(),
              static_cast<float>(scale), ks, vs};
+  if (extra.has_value() && extra->defined() && extra->numel()) {
+    a.extra = extra->data_ptr<int64_t>();
+    a.E = extra->size(1);
+  }
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const C* kc = static_cast<const C*>(k_cache.data_ptr());
@@ -366,20 +379,23 @@ void check_cache_scales(const at::Tensor& cache, const c10::optional<at::Tensor>
 
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                      at::Tensor row_seq, at::Tensor row_kv_len, double scale, c10::optional<at::Tensor> k_scale,
-                     c10::optional<at::Tensor> v_scale) {
+                     c10::optional<at::Tensor> v_scale, c10::optional<at::Tensor> row_extra) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.stride(2) == 1, "q/out: [rows, heads, head_dim], last dim dense");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_table.is_contiguous(), "contiguous caches");
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(), "one dtype");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() || k_cache.scalar_type() == at::kChar, "cache: q's dtype or int8");
   check_cache_scales(k_cache, k_scale);
   check_cache_scales(v_cache, v_scale);
+  if (row_extra.has_value() && row_extra->defined())
+    TORCH_CHECK(row_extra->dim() == 2 && row_extra->size(0) == q.size(0) && row_extra->is_contiguous() &&
+                row_extra->scalar_type() == at::kLong, "row_extra: contiguous int64 [rows, E]");
   const bool q8 = k_cache.scalar_type() == at::kChar;
   const float* ks = q8 ? k_scale->data_ptr<float>() : nullptr;
   const float* vs = q8 ? v_scale->data_ptr<float>() : nullptr;
   by_dtype(q.scalar_type(), "paged_attention", [&](auto tag) {
     using T = decltype(tag);
-    if (q8) paged_attention_impl<T, int8_t>(out, q, k_cache, v_cache, block_table, row_seq, row_kv_len, scale, ks, vs);
-    else paged_attention_impl<T, T>(out, q, k_cache, v_cache, block_table, row_seq, row_kv_len, scale, ks, vs);
+    if (q8) paged_attention_impl<T, int8_t>(out, q, k_cache, v_cache, block_table, row_seq, row_kv_len, scale, ks, vs, row_extra);
+    else paged_attention_impl<T, T>(out, q, k_cache, v_cache, block_table, row_seq, row_kv_len, scale, ks, vs, row_extra);
   });
 }
 
@@ -1179,7 +1195,7 @@ struct DecoderStack {
   // residual stream is updated in place by the fused add + RMSNorm, as LlamaDecoderLayer's
   // `h + mlp` then the next layer's norm would.
   at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor slots, at::Tensor block_table, at::Tensor row_seq,
-                     at::Tensor row_kv_len) {
+                     at::Tensor row_kv_len, c10::optional<at::Tensor> row_extra) {
     TORCH_CHECK(x.dim() == 2 && !layers.empty() && k_caches.size() == layers.size(), "forward: caches not set");
     const int64_t T = x.size(0);
     at::Tensor h = x.contiguous().clone();  // the residual stream
@@ -1192,7 +1208,7 @@ struct DecoderStack {
       rotary_kv_write(qkv, Hq, Hkv, cos, sin, positions, k_caches[l], v_caches[l], slots, k_scales[l], v_scales[l]);
       at::Tensor attn = at::empty({T, Hq, D}, h.options());
       paged_attention(attn, qkv.narrow(1, 0, Hq), k_caches[l], v_caches[l], block_table, row_seq, row_kv_len, scale,
-                      k_scales[l], v_scales[l]);
+                      k_scales[l], v_scales[l], row_extra);
       at::Tensor o = L.o(attn.view({T, Hq * D}));
       at::Tensor n2 = at::empty_like(h);
       rms_norm(n2, o, h, L.post_norm, eps);
@@ -1212,11 +1228,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("set_caches", &DecoderStack::set_caches)
-      .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward", &DecoderStack::forward, pybind11::arg("x"), pybind11::arg("positions"), pybind11::arg("slots"),
+           pybind11::arg("block_table"), pybind11::arg("row_seq"), pybind11::arg("row_kv_len"),
+           pybind11::arg("row_extra") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("paged_attention", &paged_attention, "paged attention, rows against their sequences' KV blocks",
         pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("block_table"), pybind11::arg("row_seq"), pybind11::arg("row_kv_len"), pybind11::arg("scale"),
-        pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none());
+        pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none(),
+        pybind11::arg("row_extra") = pybind11::none());
   m.def("rotary_kv_write", &rotary_kv_write, "rotary on Q/K heads in place + K/V cache write (int8: quantized)",
         pybind11::arg("qkv"), pybind11::arg("hq"), pybind11::arg("hkv"), pybind11::arg("cos"), pybind11::arg("sin"),
         pybind11::arg("positions"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slots"),
