@@ -67,11 +67,11 @@ CASES = {
 }
 
 
-async def _run_workload(config: EngineConfig):
+async def _run_workload(config: EngineConfig, prompts: list[list[int]] | None = None):
     sup, client = await _engine(config)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=N_NEW, min_tokens=N_NEW)
-        prompts = workload()
+        prompts = prompts or workload()
         got = [await _collect(client, prompts[0], params)]  # alone first: fills the prefix cache
         got += await asyncio.wait_for(asyncio.gather(*(_collect(client, p, params) for p in prompts[1:])), 240)
         return got, await client.get_stats()
@@ -157,10 +157,51 @@ def vocab16_dir(tmp_path_factory, smollm2_dir) -> str:
                            vocab_size=16)
 
 
+@pytest.fixture(scope="module")
+def vocab16_head_dir(tmp_path_factory, vocab16_dir) -> str:
+    """An untrained EAGLE head for the 16-token model: its 3-wide trees cover a good share of
+    the vocabulary, so paths get accepted, also off the first branch."""
+    import torch
+    from axonserve.spec.eagle import EagleHead
+
+    torch.manual_seed(0)
+    out = str(tmp_path_factory.mktemp("eagle-head16"))
+    EagleHead.from_target(vocab16_dir, torch.arange(16)).save_pretrained(out)
+    return out
+
+
+def tree_spec(head_dir: str) -> SpeculativeConfig:
+    return SpeculativeConfig(method="eagle", model=head_dir, num_speculative_tokens=6, tree_width=3, tree_depth=3,
+                             disable_by_batch_size=0, min_acceptance_rate=0.0)
+
+
 @pytest.mark.timeout(300)
-async def test_sampled_outputs_keep_the_target_distribution(vocab16_dir):
+@pytest.mark.parametrize("case", list(CASES))
+async def test_greedy_identical_with_eagle_trees(vocab16_dir, vocab16_head_dir, case):
+    """EAGLE-2 draft trees (tree attention in the verification, the accepted path's K/V moved into
+    place): outputs equal transformers' with chunked prefill, preemption and 2 TP ranks."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 16) for _ in range(k)] for k in (5, 9, 14, 20, 27, 33)]
+    model = AutoModelForCausalLM.from_pretrained(vocab16_dir, dtype=torch.float32).eval()
+    want = [hf_greedy(model, p, N_NEW) for p in prompts]
+    kw = dict(num_kv_blocks=400, block_size=4, log_level="warning", speculative=tree_spec(vocab16_head_dir))
+    got, stats = await _run_workload(EngineConfig(model=vocab16_dir, **kw | CASES[case]), prompts)
+    assert got == want
+    # paths of two and more drafts were accepted; more nodes verified than a 3-deep chain has
+    assert stats.spec_accepted_per_pos[1] > 0 and stats.spec_draft_tokens > 3 * stats.spec_drafts, stats
+    if "preemption" in case:
+        assert stats.num_preemptions > 0, stats
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("drafts", ["ngram", "eagle_tree"])
+async def test_sampled_outputs_keep_the_target_distribution(vocab16_dir, vocab16_head_dir, drafts):
     """Tokens 2 and 3 of 1,500 sampled continuations (temperature 0.8, top_p 0.95) against
-    the exact marginals from transformers; token 2 is verified against n-gram drafts."""
+    the exact marginals from transformers; token 2 (and 3) is verified against n-gram drafts,
+    or against EAGLE-2 trees (multi-draft rejection sampling: three candidates a node)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -185,8 +226,9 @@ async def test_sampled_outputs_keep_the_target_distribution(vocab16_dir):
     m2 = (p1[:, None] * p2).sum(0)
     m3 = (p1[:, None, None] * p2[:, :, None] * p3).sum((0, 1))
 
+    spec = NGRAM if drafts == "ngram" else tree_spec(vocab16_head_dir)
     sup, client = await _engine(EngineConfig(model=vocab16_dir, num_kv_blocks=4000, block_size=4, log_level="warning",
-                                             speculative=NGRAM, seed=11))
+                                             speculative=spec, seed=11))
     try:
         params = SamplingParams(temperature=temp, top_p=top_p, max_tokens=3, ignore_eos=True)
         outs = await asyncio.wait_for(asyncio.gather(*(_collect(client, prompt, params) for _ in range(n))), 240)

@@ -234,3 +234,70 @@ def test_worker_drafts_equal_a_recompute_from_the_targets_features(tmp_path, smo
         want, _, _ = reference_chain(head, feats, torch.tensor(tokens[1 : computed + 1]), 3)
         assert drafts == want, (step, drafts, want)
     assert accepted > 0 and rejected > 0, (accepted, rejected)
+
+
+def test_worker_verifies_draft_trees_and_moves_the_accepted_path(tmp_path, smollm2_dir):
+    """EAGLE-2 trees in the worker (ModelRunner + EagleProposer, 16-token model, 3 wide, 3 deep,
+    6 nodes): after every step the tree equals a full recompute's over transformers' features of
+    the valid sequence (so the accepted path's features reach the head), paths off the first
+    branch get accepted (their K/V moved into place), and every token is the target's greedy
+    choice given the ones before it (so the moved K/V is what later steps read)."""
+    from transformers import AutoModelForCausalLM
+
+    from axonserve.config import EngineConfig, SpeculativeConfig
+    from axonserve.neuron.model_runner import ModelRunner
+    from axonserve.protocol.messages import CachedRequestData, NewRequestData, SamplingParams, StepPlan
+    from axonserve.spec.evaluate import reference_tree
+    from axonserve.spec.tree import tree_path
+    from conftest import make_tiny_model
+
+    target = make_tiny_model(str(tmp_path / "target"), "LlamaForCausalLM", smollm2_dir, seed=5, vocab_size=16)
+    torch.manual_seed(0)
+    head_dir = str(tmp_path / "head")
+    EagleHead.from_target(target, torch.arange(16)).save_pretrained(head_dir)
+    head = EagleHead.from_pretrained(head_dir, target)
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    spec = SpeculativeConfig(method="eagle", model=head_dir, num_speculative_tokens=6, tree_width=3, tree_depth=3)
+    runner = ModelRunner(EngineConfig(model=target, block_size=4, num_kv_blocks=64, threads=2, speculative=spec))
+
+    prompt = [int(t) for t in torch.randint(0, 16, (13,), generator=torch.Generator().manual_seed(2))]
+    tokens, computed, drafts, parents = list(prompt), 0, [], []
+    accepted = moved = 0
+    params = SamplingParams(temperature=0.0)
+    have: list[int] = []
+    for step in range(30):
+        n = min(5, len(tokens) - computed) + len(drafts)
+        ends = computed + n >= len(tokens)
+        blocks = list(range(-(-(computed + n) // 4)))
+        if step == 0:
+            plan_req = dict(new=[NewRequestData("r", list(tokens), len(tokens), blocks, 0, params)])
+        else:
+            plan_req = dict(cached=[CachedRequestData("r", blocks[len(have):])])
+        have = blocks
+        plan = StepPlan(step, num_scheduled_tokens=[n], draft_token_ids={"r": drafts} if drafts else {},
+                        draft_parents={"r": parents} if drafts else {}, want_features=True,
+                        num_drafts={"r": 6} if ends else {}, **plan_req)
+        res = runner.execute(plan)
+        assert res.error is None, res.error
+        got = res.sampled_token_ids
+        if drafts:
+            path = tree_path(drafts, parents, got)
+            accepted += len(path)
+            moved += path != list(range(len(path)))
+            computed += len(got)
+        else:
+            computed += n
+        tokens += got
+        drafts = dict(zip(res.draft_request_ids, res.draft_token_ids)).get("r", [])
+        parents = dict(zip(res.draft_request_ids, res.draft_parents)).get("r", [])
+        if not ends:
+            assert drafts == []
+            continue
+        with torch.no_grad():
+            feats = hf(torch.tensor([tokens[:computed]]), output_hidden_states=True).hidden_states[-1][0]
+        want = reference_tree(head, feats, torch.tensor(tokens[1 : computed + 1]), 3, 3, 6)
+        assert (drafts, parents) == want, step
+    assert accepted > 0 and moved > 0, (accepted, moved)
+    with torch.no_grad():
+        greedy = hf(torch.tensor([tokens[:-1]])).logits[0].argmax(-1)
+    assert tokens[len(prompt):] == greedy[len(prompt) - 1 :].tolist()
