@@ -26,6 +26,11 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
     # 3-row EAGLE verifications still fit the AMX path's flat cost (up to 32 rows); served chat at
     # 8 / 16 streams went +3 % / +4-8 % over plain decoding, where 4 kept it off (+-3 %, noise)
     disable_by_batch_size: int = 8
+    # draft tokens plus their roots verified in one step across the batch (0: no limit): each request's
+    # drafts shrink to fit (1 request: all k; 8 requests: 2 each). A step's forward stays near a decode's
+    # cost up to ~24-32 rows on CPU; past that, three drafts for each of 8 requests cost more than they
+    # saved, and a draft tree's 8 for each of 8 ran 0.76-0.83x plain decoding
+    max_verify_rows: int = 24
     # a request whose recent acceptance rate falls below this pauses drafting for a while. Break-even
     # on SmolLM2 with the native stack: a k=3 EAGLE verification + proposal costs ~1.15-1.3 decodes,
     # so it pays from ~0.1 accepted per draft (served, single stream: 0.2 -> 0.1 took EAGLE k=3 from
@@ -74,6 +79,8 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
                 raise ValueError("draft trees need tree_depth >= 2 and tree_width * (tree_depth - 1) <= 16")
         elif self.tree_width < 1:
             raise ValueError("tree_width must be >= 1")
+        if self.max_verify_rows < 0 or self.disable_by_batch_size < 0:
+            raise ValueError("max_verify_rows and disable_by_batch_size must be >= 0 (0: no limit)")
         if not 0.0 <= self.min_draft_confidence < 1.0:
             raise ValueError("min_draft_confidence must be in [0, 1)")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

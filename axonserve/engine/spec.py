@@ -89,7 +89,8 @@ class SpecDecoding:
         return self.pick([r for r in running if r.num_tokens - r.num_computed_tokens == 1])
 
     def pick(self, reqs: list[Request]) -> list[tuple[Request, int]]:
-        """Those of `reqs` that draft next (eligible, not paused), with their draft count."""
+        """Those of `reqs` that draft next (eligible, not paused), with their draft count: k, fewer
+        near a request's end, and fewer as more requests draft (max_verify_rows)."""
         out = []
         for r in reqs:
             if r.spec is None:
@@ -100,6 +101,10 @@ class SpecDecoding:
             k = min(self.k, r.max_total_tokens - r.num_tokens - 1)  # never draft past the end
             if k > 0 and self.eligible(r):
                 out.append((r, k))
+        rows = self.cfg.max_verify_rows
+        if rows and out:
+            cap = rows // len(out) - 1  # each verifies its drafts and the last known token
+            out = [(r, min(k, cap)) for r, k in out] if cap > 0 else []
         return out
 
     def ngram(self, reqs: list[tuple[Request, int]]) -> None:

@@ -572,7 +572,6 @@ class ModelRunner:
             **extra,
         )
 
-
     def _move_path(self, st: RequestState, path: list[int]) -> None:
         """Draft a of a verified tree sits at slot position c + 1 + a; accepted as the i-th token
         after the last known one (at c), it belongs at c + 1 + i."""

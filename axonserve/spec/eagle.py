@@ -512,8 +512,14 @@ class EagleProposer:
         paged path needs them)."""
         if not request_ids:
             return [], None
+        most = max(num_drafts)
         if self.paged is not None and block_tables is not None:
-            tree = None if self.tree is None else (*self.tree, num_drafts)
+            # a tree no wider or deeper than the nodes wanted (under load they are fewer): 1 wide, a chain
+            tree = None
+            if self.tree is not None and min(self.tree[0], most) > 1:
+                tree = (min(self.tree[0], most), min(self.tree[1], most), num_drafts)
+            elif self.tree is not None:
+                num_drafts = [min(m, self.tree[1]) for m in num_drafts]
             drafts, parents = self.paged.propose(block_tables, starts, tokens, feats, max(num_drafts), self.min_prob,
                                                  tree)
             return ([d[:m] for d, m in zip(drafts, num_drafts)], parents)
