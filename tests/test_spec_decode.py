@@ -19,7 +19,7 @@ from axonserve.protocol.messages import SamplingParams
 from conftest import chi2, chi2_critical, hf_greedy, make_tiny_model
 
 N_NEW = 24
-NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3, disable_by_batch_size=0)
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3, disable_by_batch_size=0, max_verify_rows=0)
 
 
 def workload() -> list[list[int]]:
@@ -112,7 +112,7 @@ async def test_greedy_identical_with_eagle_drafts(tiny_llama_dir, reference, eag
     """Worker rank 0 runs the head on every step's hidden states and drafts for every request
     that samples (acceptance floor 0, so an untrained head keeps drafting): outputs unchanged,
     with preemption (head state dropped and rebuilt) and 2 TP ranks (only rank 0 drafts)."""
-    spec = SpeculativeConfig(method="eagle", model=eagle_head_dir, disable_by_batch_size=0, min_acceptance_rate=0.0)
+    spec = SpeculativeConfig(method="eagle", model=eagle_head_dir, disable_by_batch_size=0, max_verify_rows=0, min_acceptance_rate=0.0)
     kw = dict(num_kv_blocks=400, block_size=4, log_level="warning", speculative=spec) | CASES[case]
     got, stats = await _run_workload(EngineConfig(model=tiny_llama_dir, **kw))
     assert got == reference
@@ -143,7 +143,7 @@ async def test_draft_model_proposer_with_the_target_as_its_own_draft(tiny_llama_
     """The target as its own draft model: every greedy draft must be accepted (the whole
     pipeline — token sync, the draft model's KV reuse across calls, verification — is exact),
     and outputs equal transformers'."""
-    spec = SpeculativeConfig(method="draft_model", model=tiny_llama_dir, disable_by_batch_size=0)
+    spec = SpeculativeConfig(method="draft_model", model=tiny_llama_dir, disable_by_batch_size=0, max_verify_rows=0)
     kw = dict(num_kv_blocks=400, block_size=4, log_level="warning", speculative=spec, max_num_batched_tokens=32)
     got, stats = await _run_workload(EngineConfig(model=tiny_llama_dir, **kw))
     assert got == reference
@@ -172,7 +172,7 @@ def vocab16_head_dir(tmp_path_factory, vocab16_dir) -> str:
 
 def tree_spec(head_dir: str) -> SpeculativeConfig:
     return SpeculativeConfig(method="eagle", model=head_dir, num_speculative_tokens=6, tree_width=3, tree_depth=3,
-                             disable_by_batch_size=0, min_acceptance_rate=0.0)
+                             disable_by_batch_size=0, max_verify_rows=0, min_acceptance_rate=0.0)
 
 
 @pytest.mark.timeout(300)

@@ -539,86 +539,88 @@ class EagleProposer:
         return [d[:m] for d, m in zip(drafts, num_drafts)], None
 
 
+def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-softmax values [R, k] float32, indices [R, k]) of each row's k largest logits."""
+    from axonserve.neuron.ops import native
+
+    kernels = native.for_dtype(logits.dtype)
+    if kernels is not None and hasattr(kernels, "topk_logprobs") and logits.stride(-1) == 1:
+        return kernels.topk_logprobs(logits, k)
+    top = logits.float().topk(k, dim=-1)
+    return top.values - torch.logsumexp(logits.float(), dim=-1, keepdim=True), top.indices
+
+
 class TreeDrafts:
-    """EAGLE-2's dynamic draft tree for a batch (spec/evaluate.py simulate_tree_acceptance is
-    its reference): the root's `width` best tokens are depth 1; each further depth runs the head
-    on the `width` best nodes of the depth before (by cumulative draft log-probability), each
+    """EAGLE-2's dynamic draft tree for a batch (spec/evaluate.py reference_tree is its
+    reference): the root's `width` best tokens are depth 1; each further depth runs the head on
+    the `width` best nodes of the depth before (by cumulative draft log-probability), each
     proposing its `width` best children; in the end the `budget` best nodes of the whole tree
     are verified. A child never scores above its parent, so the best nodes include their
     ancestors. Each expanded node's head K/V sits at a scratch position of its request; the
-    rows of the next depth attend to the context plus the scratch positions on their path."""
+    rows of the next depth attend to the context plus the scratch positions on their path.
+    The bookkeeping is plain Python over a few dozen nodes: as torch ops it cost ~1.3 ms a
+    proposal, a third of it."""
 
     def __init__(self, head: EagleHead, root: torch.Tensor, width: int, depth: int, scratch: np.ndarray):
         """root: f̂ [B, H] at each request's last known position; scratch[i]: the first of request
         i's width * (depth - 1) scratch positions."""
         self.head, self.width, self.depth = head, width, depth
+        self.scratch = [int(x) for x in scratch]
         b = root.shape[0]
-        self.scratch = np.asarray(scratch, dtype=np.int64)
-        self.tok = torch.empty(b, 0, dtype=torch.long)  # [B, M] target ids of every candidate node
-        self.parent = torch.empty(b, 0, dtype=torch.long)  # [B, M] parent node (-1: the root)
-        self.score = torch.empty(b, 0)  # [B, M] cumulative draft log-prob
-        self.level = torch.empty(b, 0, dtype=torch.long)  # [B, M] depth (1 = the root's children)
-        self.path = torch.empty(b, 0, max(depth - 1, 1), dtype=torch.long)  # [B, M, D-1] scratch positions on its path
-        self.feat = root[:, None]  # [B, F, H] f̂ that each frontier node's parent left
-        self.frontier = torch.zeros(b, 1, dtype=torch.long)  # placeholder: the root
-        self._children(root[:, None], parents=torch.full((b, 1), -1, dtype=torch.long),
-                       base=torch.zeros(b, 1), paths=torch.full((b, 1, self.path.shape[2]), -1, dtype=torch.long))
-        self.expanded = 0
+        # per request, every candidate node: [target id, parent node (-1: root), score, depth, scratch path]
+        self.nodes: list[list[list[Any]]] = [[] for _ in range(b)]
+        self.level = self.expanded = 0
+        self._children(root, [[(-1, 0.0, ())] for _ in range(b)])
 
-    def _children(self, out: torch.Tensor, parents: torch.Tensor, base: torch.Tensor, paths: torch.Tensor) -> None:
-        """The width best children of each of F nodes (f̂ out [B, F, H]) become candidates; the next
-        frontier is the width best of them."""
-        b, f = parents.shape
-        w = self.width
-        top = torch.log_softmax(self.head.draft_logits(out).float(), dim=-1).topk(w, dim=-1)  # [B, F, W]
-        score = (base[:, :, None] + top.values).reshape(b, f * w)
-        first = self.tok.shape[1]
-        self.tok = torch.cat((self.tok, self.head.d2t[top.indices].reshape(b, f * w)), 1)
-        self.parent = torch.cat((self.parent, parents.repeat_interleave(w, dim=1)), 1)
-        self.score = torch.cat((self.score, score), 1)
-        lvl = 1 if first == 0 else int(self.level[0, -1]) + 1
-        self.level = torch.cat((self.level, torch.full((b, f * w), lvl, dtype=torch.long)), 1)
-        self.path = torch.cat((self.path, paths.repeat_interleave(w, dim=1)), 1)
-        best = score.topk(min(w, f * w), dim=-1).indices  # [B, W]
-        self.frontier = first + best
-        self.feat = out.repeat_interleave(w, dim=1).gather(1, best[:, :, None].expand(-1, -1, out.shape[-1]))
+    def _children(self, out: torch.Tensor, sources: list[list[tuple[int, float, tuple[int, ...]]]]) -> None:
+        """Rows of f̂ `out` (request-major; sources[i]: request i's rows as (node, score, path)):
+        each row's width best children become candidates, the width best of a request's next."""
+        lps, top = topk_logprobs(self.head.draft_logits(out), self.width)
+        lps, ids = lps.tolist(), self.head.d2t[top].tolist()
+        self.level += 1
+        self.out, self.frontier, self.rows = out, [], []
+        row = 0
+        for nodes, src in zip(self.nodes, sources):
+            cands = []
+            for parent, score, path in src:
+                for lp, tok in zip(lps[row], ids[row]):
+                    nodes.append([tok, parent, score + lp, self.level, path])
+                    cands.append((len(nodes) - 1, row))
+                row += 1
+            best = sorted(cands, key=lambda c: -nodes[c[0]][2])[: self.width]
+            self.frontier.append([j for j, _ in best])
+            self.rows += [r for _, r in best]  # the row of `out` that is each frontier node's parent's f̂
 
     def more(self) -> bool:
-        return int(self.level[0, -1]) < self.depth
+        return self.level < self.depth
 
     def inputs(self) -> tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]:
         """The frontier's rows for the head: (x [B*W, H], row depth [B*W], scratch slot position
         [B*W], keys past the context [B*W, D-1] (-1 pad)), rows request-major."""
-        b, w = self.frontier.shape
-        fr = self.frontier
-        tok = self.tok.gather(1, fr)
-        lvl = int(self.level[0, -1])
-        slot = torch.from_numpy(self.scratch)[:, None] + self.expanded + torch.arange(w)[None, :]
-        self.expanded += w
-        path = self.path.gather(1, fr[:, :, None].expand(-1, -1, self.path.shape[2])).clone()
-        path[:, :, lvl - 1] = slot
-        self.path.scatter_(1, fr[:, :, None].expand(-1, -1, self.path.shape[2]), path)
-        x = self.head.inputs(self.feat.reshape(b * w, -1), tok.reshape(-1))
-        return (x, np.full(b * w, lvl, dtype=np.int64), slot.reshape(-1).numpy(),
-                path.reshape(b * w, -1).numpy())
+        toks, slots = [], []
+        extra = np.full((len(self.rows), max(self.depth - 1, 1)), -1, dtype=np.int64)
+        for i, (nodes, front) in enumerate(zip(self.nodes, self.frontier)):
+            for k, j in enumerate(front):
+                node = nodes[j]
+                node[4] = (*node[4], self.scratch[i] + self.expanded + k)
+                extra[len(toks), : len(node[4])] = node[4]
+                toks.append(node[0])
+                slots.append(node[4][-1])
+        self.expanded += self.width
+        x = self.head.inputs(self.out[torch.tensor(self.rows)], torch.tensor(toks))
+        return x, np.full(len(toks), self.level, dtype=np.int64), np.array(slots, dtype=np.int64), extra
 
     def grow(self, out: torch.Tensor) -> None:
         """f̂ [B*W, H] of the frontier rows just run: their children join the tree."""
-        b, w = self.frontier.shape
-        fr = self.frontier
-        self._children(out.view(b, w, -1), parents=fr, base=self.score.gather(1, fr),
-                       paths=self.path.gather(1, fr[:, :, None].expand(-1, -1, self.path.shape[2])))
+        self._children(out, [[(j, nodes[j][2], nodes[j][4]) for j in front]
+                             for nodes, front in zip(self.nodes, self.frontier)])
 
     def lists(self, budgets: list[int]) -> tuple[list[list[int]], list[list[int]]]:
-        """(draft tokens, parents) per request: its budget best nodes, parents first."""
+        """(draft tokens, parents) per request: its budget best nodes, by depth then creation."""
         toks, pars = [], []
-        order = torch.argsort(self.level, dim=1, stable=True)  # depth, then creation order
-        rank = torch.argsort(torch.argsort(-self.score, dim=1, stable=True), dim=1)
-        keep_all = rank < torch.tensor(budgets)[:, None]
-        tok_l, par_l, ord_l, keep_l = self.tok.tolist(), self.parent.tolist(), order.tolist(), keep_all.tolist()
-        for i in range(len(budgets)):
-            idx = [j for j in ord_l[i] if keep_l[i][j]]
-            where = {j: n for n, j in enumerate(idx)}
-            toks.append([tok_l[i][j] for j in idx])
-            pars.append([-1 if par_l[i][j] < 0 else where[par_l[i][j]] for j in idx])
+        for nodes, budget in zip(self.nodes, budgets):
+            keep = sorted(sorted(range(len(nodes)), key=lambda j: -nodes[j][2])[:budget], key=lambda j: (nodes[j][3], j))
+            where = {j: n for n, j in enumerate(keep)}
+            toks.append([nodes[j][0] for j in keep])
+            pars.append([where.get(nodes[j][1], -1) for j in keep])
         return toks, pars

@@ -415,7 +415,7 @@ def test_spec_drafts_roll_back_across_a_block_boundary():
     token is computed in the first rejected slot (the vllm-neuron slot-accounting defect)."""
     from axonserve.config import SpeculativeConfig
 
-    s = make(block_size=4, speculative=SpeculativeConfig(method="ngram", disable_by_batch_size=0))
+    s = make(block_size=4, speculative=SpeculativeConfig(method="ngram", disable_by_batch_size=0, max_verify_rows=0))
     r = req("a", 6)  # prompt 10..15
     s.add(r)
     plan = s.schedule()
@@ -437,7 +437,7 @@ def test_spec_drafts_roll_back_across_a_block_boundary():
 def test_spec_accepted_tokens_stop_at_eos_and_drafts_stop_at_max_tokens():
     from axonserve.config import SpeculativeConfig
 
-    s = make(block_size=4, speculative=SpeculativeConfig(method="ngram", disable_by_batch_size=0))
+    s = make(block_size=4, speculative=SpeculativeConfig(method="ngram", disable_by_batch_size=0, max_verify_rows=0))
     r = req("a", 4, max_tokens=5)
     s.add(r)
     plan = s.schedule()
@@ -452,6 +452,43 @@ def test_spec_accepted_tokens_stop_at_eos_and_drafts_stop_at_max_tokens():
     plan = s.schedule()
     s.update(StepResult(plan.step_id, ["b"], [40]))
     assert s.spec.candidates(s.running) == [(r2, 1)]  # 1 output, 2 to go: one draft + the bonus
+
+
+def test_draft_trees_travel_with_their_parents_and_count_by_depth():
+    """EAGLE-2 drafts from the worker: the plan carries each tree's parents (cut with its drafts,
+    still a tree), a malformed tree is dropped, and the back-off rate is accepted / path length."""
+    from axonserve.config import SpeculativeConfig
+
+    s = make(block_size=4, speculative=SpeculativeConfig(method="eagle", num_speculative_tokens=6, tree_width=3,
+                                                         tree_depth=3, disable_by_batch_size=0, max_verify_rows=0))
+    r = req("a", 6, max_tokens=5)
+    s.add(r)
+    plan = s.schedule()
+    assert plan.num_drafts == {"a": 4}  # never past the last token: 4 left after this step's one
+    s.update(StepResult(plan.step_id, ["a"], [40], draft_request_ids=["a"], draft_token_ids=[[41, 42, 43, 44, 45]],
+                        draft_parents=[[-1, -1, 0, 1, 2]]))
+    assert r.spec_token_ids == [41, 42, 43] and r.spec_parents == [-1, -1, 0]  # room for 3 more after 40
+    plan = s.schedule()
+    assert plan.draft_token_ids == {"a": [41, 42, 43]} and plan.draft_parents == {"a": [-1, -1, 0]}
+    assert plan.num_scheduled_tokens == [4]
+    s.update(StepResult(plan.step_id, ["a"], [41, 43, 50], num_sampled=[3],  # path 41 -> 43, then 50
+                        draft_request_ids=["a"], draft_token_ids=[[51, 52]], draft_parents=[[-1, 5]]))
+    assert r.num_computed_tokens == 9 and r.spec.rate == 1.0  # 2 accepted of a 2-deep tree
+    assert s.spec.counters() == (1, 3, 2, [1, 1, 0, 0, 0, 0])
+    assert r.spec_token_ids == [] and r.spec_parents is None  # parent 5 of draft 1: not a tree, dropped
+
+
+def test_verify_rows_shrink_drafts_as_more_requests_draft():
+    from axonserve.config import SpeculativeConfig
+    from axonserve.engine.spec import SpecDecoding
+
+    spec = SpecDecoding(SpeculativeConfig(method="eagle", num_speculative_tokens=8, max_verify_rows=24))
+    reqs = [req(str(i), 4, max_tokens=64) for i in range(13)]
+    assert [k for _, k in spec.pick(reqs[:1])] == [8]  # 24 rows: all 8 drafts and the root
+    assert [k for _, k in spec.pick(reqs[:4])] == [5] * 4
+    assert [k for _, k in spec.pick(reqs[:8])] == [2] * 8
+    assert [k for _, k in spec.pick(reqs[:12])] == [1] * 12
+    assert spec.pick(reqs) == []  # 13 requests: no room for a draft each
 
 
 def test_ngram_propose_takes_the_longest_most_recent_match():

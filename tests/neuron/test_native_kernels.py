@@ -183,6 +183,21 @@ def test_argmax_rows_first_index_of_ties(dtype):
     assert torch.equal(K.argmax_rows(y), y.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [1, 4, 16])
+def test_topk_logprobs_like_torch(dtype, k):
+    """EAGLE-2 trees' child selection: the k best of each row (8,192-token draft vocabularies, and
+    a row shorter than a vector), ties to the first index, with their log-softmax values."""
+    g = _gen(5)
+    for x in (torch.randn(9, 8192, generator=g).to(dtype), torch.randn(2, max(k, 13), generator=g).to(dtype),
+              torch.randint(0, 3, (4, 1000), generator=g).to(dtype)):
+        vals, idx = K.topk_logprobs(x, k)
+        lp = torch.log_softmax(x.float(), dim=-1)
+        order = torch.sort(-x.float(), dim=-1, stable=True).indices[:, :k]  # descending, first index of a tie
+        assert torch.equal(idx, order)
+        torch.testing.assert_close(vals, lp.gather(1, order), atol=2e-5, rtol=1e-5)
+
+
 def test_disabled_by_environment(monkeypatch):
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setenv("AXONSERVE_NATIVE", "0")
