@@ -75,9 +75,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV-length buckets for both phases (default: powers of two from 128 up "
                         "to max_model_len); max_model_len is capped at the largest")
     p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
-                   help='speculative decoding, vLLM\'s shape: {"method": "ngram"|"eagle", '
-                        '"num_speculative_tokens": 3, "model": HEAD_DIR, "prompt_lookup_max": 3, '
-                        '"disable_by_batch_size": 8}')
+                   help='speculative decoding, vLLM\'s shape: {"method": "ngram"|"eagle"|"draft_model", '
+                        '"num_speculative_tokens": 3 (eagle: 8, a draft tree), "model": HEAD_DIR, '
+                        '"tree_width": 4, "tree_depth": 4, "prompt_lookup_max": 3, "disable_by_batch_size": 8, '
+                        '"max_verify_rows": 24}')
     p.add_argument("--encoder-workers", type=int, default=0, metavar="N",
                    help="vision-language models: N encoder processes (vision tower + projector) behind a "
                         "router actor that caches image features; 0: the worker ranks encode images")

@@ -17,7 +17,10 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
     # ngram (prompt lookup, in the scheduler) | eagle (draft head, run by worker rank 0 on the
     # step's own hidden states) | draft_model (a smaller LM, in the drafter actor)
     method: str
-    num_speculative_tokens: int = 3
+    # drafts verified per step: a chain's length, a draft tree's nodes. 0: the method's default, 8 for
+    # eagle (a draft tree: mean accepted length 2.5-2.65 served on SmolLM2, where a 3-chain reached
+    # 2.0-2.1), 3 otherwise
+    num_speculative_tokens: int = 0
     model: str = ""  # eagle: head directory ("" = the head shipped for the default model); draft_model: the model
     prompt_lookup_min: int = 1  # ngram: shortest suffix matched
     prompt_lookup_max: int = 3  # ngram: longest suffix matched (tried first)
@@ -27,9 +30,9 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
     # 8 / 16 streams went +3 % / +4-8 % over plain decoding, where 4 kept it off (+-3 %, noise)
     disable_by_batch_size: int = 8
     # draft tokens plus their roots verified in one step across the batch (0: no limit): each request's
-    # drafts shrink to fit (1 request: all k; 8 requests: 2 each). A step's forward stays near a decode's
-    # cost up to ~24-32 rows on CPU; past that, three drafts for each of 8 requests cost more than they
-    # saved, and a draft tree's 8 for each of 8 ran 0.76-0.83x plain decoding
+    # drafts shrink to fit (1 request: all k; 8 requests: 2 each). On SmolLM2 each verified row adds
+    # ~0.3 ms to an ~11 ms forward: three drafts for each of 8 requests cost more than they saved, and
+    # a draft tree's 8 for each of 8 ran 0.76-0.83x plain decoding
     max_verify_rows: int = 24
     # a request whose recent acceptance rate falls below this pauses drafting for a while. Break-even
     # on SmolLM2 with the native stack: a k=3 EAGLE verification + proposal costs ~1.15-1.3 decodes,
@@ -39,10 +42,11 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
     # eagle: a draft chain stops after a draft the head gives less than this probability, so
     # num_speculative_tokens becomes the longest chain (0: always k; spec/eagle.py ChainDrafts)
     min_draft_confidence: float = 0.0
-    # eagle: draft trees (EAGLE-2) when tree_width > 1: each depth expands the tree_width most likely
-    # nodes into their tree_width best children, tree_depth deep, and the num_speculative_tokens most
-    # likely nodes are verified in one forward (tree attention). tree_width * (tree_depth - 1) <= 16
-    tree_width: int = 1
+    # eagle: EAGLE-2 draft trees when a step's drafts outnumber tree_depth (else a chain): each depth
+    # expands the tree_width likeliest nodes into their tree_width best children, tree_depth deep, and
+    # the likeliest nodes are verified in one forward (tree attention). 0: 4 wide; 1: chains only.
+    # tree_width * (tree_depth - 1) <= 16
+    tree_width: int = 0
     tree_depth: int = 4
 
     @classmethod
@@ -55,10 +59,16 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise ValueError(f"bad speculative config: {e}") from e
 
+    def __post_init__(self) -> None:
+        if not self.num_speculative_tokens:
+            self.num_speculative_tokens = 8 if self.method == "eagle" else 3
+
     @property
     def tree(self) -> tuple[int, int] | None:
-        """(width, depth) of EAGLE-2 draft trees, or None: chains."""
-        return (self.tree_width, self.tree_depth) if self.tree_width > 1 else None
+        """(width, depth) of EAGLE-2 draft trees (used when a step's drafts outnumber the depth),
+        or None: chains only."""
+        width = self.tree_width or (4 if self.method == "eagle" else 1)
+        return (width, self.tree_depth) if width > 1 else None
 
     @property
     def uses_drafter(self) -> bool:
@@ -72,13 +82,16 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
             raise ValueError('speculative method "draft_model" needs "model"')
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in [1, 16]")
-        if self.tree_width > 1:
+        if self.tree is not None:
             if self.method != "eagle":
                 raise ValueError("draft trees (tree_width > 1) are for method \"eagle\"")
-            if not 2 <= self.tree_depth or self.tree_width * (self.tree_depth - 1) > 16:
+            width, depth = self.tree
+            if not 2 <= depth or width * (depth - 1) > 16:
                 raise ValueError("draft trees need tree_depth >= 2 and tree_width * (tree_depth - 1) <= 16")
-        elif self.tree_width < 1:
-            raise ValueError("tree_width must be >= 1")
+            if self.min_draft_confidence and self.num_speculative_tokens > self.tree_depth:
+                raise ValueError("min_draft_confidence is for chains: a tree keeps its likeliest nodes already")
+        if self.tree_width < 0:
+            raise ValueError("tree_width must be >= 0")
         if self.max_verify_rows < 0 or self.disable_by_batch_size < 0:
             raise ValueError("max_verify_rows and disable_by_batch_size must be >= 0 (0: no limit)")
         if not 0.0 <= self.min_draft_confidence < 1.0:

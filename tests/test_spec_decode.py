@@ -112,7 +112,8 @@ async def test_greedy_identical_with_eagle_drafts(tiny_llama_dir, reference, eag
     """Worker rank 0 runs the head on every step's hidden states and drafts for every request
     that samples (acceptance floor 0, so an untrained head keeps drafting): outputs unchanged,
     with preemption (head state dropped and rebuilt) and 2 TP ranks (only rank 0 drafts)."""
-    spec = SpeculativeConfig(method="eagle", model=eagle_head_dir, disable_by_batch_size=0, max_verify_rows=0, min_acceptance_rate=0.0)
+    spec = SpeculativeConfig(method="eagle", model=eagle_head_dir, num_speculative_tokens=3, disable_by_batch_size=0,
+                             max_verify_rows=0, min_acceptance_rate=0.0)  # 3 drafts: a chain
     kw = dict(num_kv_blocks=400, block_size=4, log_level="warning", speculative=spec) | CASES[case]
     got, stats = await _run_workload(EngineConfig(model=tiny_llama_dir, **kw))
     assert got == reference
@@ -241,3 +242,24 @@ async def test_sampled_outputs_keep_the_target_distribution(vocab16_dir, vocab16
     for pos, marginal in ((1, m2), (2, m3)):
         stat, df = chi2(Counter(o[pos] for o in outs), dict(enumerate(marginal.tolist())), n)
         assert stat < chi2_critical(df), (pos, stat, df)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"method": "ngram", "tree_width": 2}, "for method \"eagle\""),
+    ({"method": "eagle", "tree_width": 4, "tree_depth": 6}, "<= 16"),
+    ({"method": "eagle", "tree_width": 4, "tree_depth": 1}, "tree_depth >= 2"),
+    ({"method": "eagle", "tree_width": 4, "min_draft_confidence": 0.2}, "for chains"),
+    ({"method": "eagle", "max_verify_rows": -1}, ">= 0"),
+])
+def test_bad_tree_configs_are_refused(bad, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.parse(bad)
+    assert SpeculativeConfig.parse('{"method": "eagle", "tree_width": 4, "tree_depth": 5}').tree == (4, 5)
+
+
+def test_eagle_drafts_trees_by_default():
+    """EAGLE's default is an 8-node tree 4 wide and 4 deep; n-gram keeps 3-token chains."""
+    eagle, ngram = SpeculativeConfig.parse({"method": "eagle"}), SpeculativeConfig.parse({"method": "ngram"})
+    assert (eagle.num_speculative_tokens, eagle.tree) == (8, (4, 4))
+    assert (ngram.num_speculative_tokens, ngram.tree) == (3, None)
+    assert SpeculativeConfig.parse({"method": "eagle", "tree_width": 1}).tree is None

@@ -1,15 +1,19 @@
 """Speculative decoding, scheduler side: who speculates, the n-gram proposer, the counters.
 
-Each step a decoding request may carry k draft tokens; the scheduler schedules 1 + k tokens
-(the one rule still holds: computed tokens catch up with known tokens, drafts counted as
-known), the worker verifies them in one forward and rejection-samples (neuron/sampler.py),
-and `Scheduler.update` takes the accepted prefix plus one sampled token, moving the computed
-count back over the rejected drafts (their KV slots are simply overwritten later).
+Each step a decoding request may carry k draft tokens, a chain or an EAGLE-2 tree (each draft
+with its parent: spec/tree.py); the scheduler schedules 1 + k tokens (the one rule still holds:
+computed tokens catch up with known tokens, drafts counted as known), the worker verifies them
+in one forward (a tree with tree attention) and rejection-samples (neuron/sampler.py), moves an
+accepted tree path's KV into consecutive slots, and `Scheduler.update` takes the accepted
+drafts plus one sampled token, moving the computed count back over the rejected ones (their KV
+slots are simply overwritten later).
 
 A request speculates only when sampling at one position does not depend on the tokens
 sampled before it in the same step (min_tokens is applied per position by the verifier):
-no penalties, no logprobs, no grammar. Speculation turns itself off above a batch size (verification becomes
-compute-bound) and pauses, with exponential back-off, for a request whose drafts keep failing.
+no penalties, no logprobs, no grammar. Drafts shrink as more requests draft (max_verify_rows:
+verification rows cost ~0.3 ms each on SmolLM2, so 8 drafts for each of 8 requests cost more
+than they save), speculation turns itself off above a batch size, and it pauses, with
+exponential back-off, for a request whose drafts keep failing.
 """
 
 from __future__ import annotations

@@ -514,10 +514,11 @@ class EagleProposer:
             return [], None
         most = max(num_drafts)
         if self.paged is not None and block_tables is not None:
-            # a tree no wider or deeper than the nodes wanted (under load they are fewer): 1 wide, a chain
+            # a tree while the nodes wanted outnumber its depth; fewer (under load) make a chain,
+            # which drafts them at a quarter of the rows
             tree = None
-            if self.tree is not None and min(self.tree[0], most) > 1:
-                tree = (min(self.tree[0], most), min(self.tree[1], most), num_drafts)
+            if self.tree is not None and most > self.tree[1]:
+                tree = (self.tree[0], self.tree[1], num_drafts)
             elif self.tree is not None:
                 num_drafts = [min(m, self.tree[1]) for m in num_drafts]
             drafts, parents = self.paged.propose(block_tables, starts, tokens, feats, max(num_drafts), self.min_prob,
