@@ -620,7 +620,8 @@ class TreeDrafts:
         """(draft tokens, parents) per request: its budget best nodes, by depth then creation."""
         toks, pars = [], []
         for nodes, budget in zip(self.nodes, budgets):
-            keep = sorted(sorted(range(len(nodes)), key=lambda j: -nodes[j][2])[:budget], key=lambda j: (nodes[j][3], j))
+            best = sorted(range(len(nodes)), key=lambda j: -nodes[j][2])[:budget]
+            keep = sorted(best, key=lambda j: (nodes[j][3], j))
             where = {j: n for n, j in enumerate(keep)}
             toks.append([nodes[j][0] for j in keep])
             pars.append([where.get(nodes[j][1], -1) for j in keep])
