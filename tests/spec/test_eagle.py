@@ -177,71 +177,16 @@ def test_save_load_round_trip(tiny_llama_dir, tmp_path):
                                        atol=0.05, rtol=0.05)
 
 
-def test_worker_drafts_equal_a_recompute_from_the_targets_features(tmp_path, smollm2_dir):
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_worker_drafts_equal_a_recompute_from_the_targets_features(tmp_path, smollm2_dir, shape):
     """Worker rank 0's in-step EAGLE (ModelRunner + EagleProposer) on a 16-token model: chunked
     prefill, then decode steps that verify the previous step's drafts (a 16-token vocabulary
-    makes some get accepted, some rejected). After every step the drafts must equal a
-    from-scratch recompute over transformers' features of the whole valid sequence: the rows,
-    positions and following tokens handed to the head line up, and rejected positions are
-    cropped from its KV."""
-    from transformers import AutoModelForCausalLM
-
-    from axonserve.config import EngineConfig, SpeculativeConfig
-    from axonserve.neuron.model_runner import ModelRunner
-    from axonserve.protocol.messages import CachedRequestData, NewRequestData, SamplingParams, StepPlan
-    from conftest import make_tiny_model
-
-    target = make_tiny_model(str(tmp_path / "target"), "LlamaForCausalLM", smollm2_dir, seed=5, vocab_size=16)
-    torch.manual_seed(0)
-    head_dir = str(tmp_path / "head")
-    EagleHead.from_target(target, torch.arange(16)).save_pretrained(head_dir)
-    head = EagleHead.from_pretrained(head_dir, target)
-    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    spec = SpeculativeConfig(method="eagle", model=head_dir, num_speculative_tokens=3)
-    runner = ModelRunner(EngineConfig(model=target, block_size=4, num_kv_blocks=32, threads=2, speculative=spec))
-
-    tokens = [int(t) for t in torch.randint(0, 16, (13,), generator=torch.Generator().manual_seed(2))]
-    computed, drafts, accepted, rejected = 0, [], 0, 0
-    params = SamplingParams(temperature=0.0)
-    have: list[int] = []  # KV blocks the runner already holds for "r"
-    for step in range(40):
-        n = min(5, len(tokens) - computed) + len(drafts)
-        ends = computed + n >= len(tokens)  # samples at the end of this step: drafts are asked for
-        blocks = list(range(-(-(computed + n) // 4)))
-        if step == 0:
-            plan_req = dict(new=[NewRequestData("r", list(tokens), len(tokens), blocks, 0, params)])
-        else:
-            plan_req = dict(cached=[CachedRequestData("r", blocks[len(have):])])
-        have = blocks
-        plan = StepPlan(step, num_scheduled_tokens=[n], draft_token_ids={"r": drafts} if drafts else {},
-                        want_features=True, num_drafts={"r": 3} if ends else {}, **plan_req)
-        res = runner.execute(plan)
-        assert res.error is None, res.error
-        got = res.sampled_token_ids
-        if drafts:
-            accepted += len(got) - 1
-            rejected += len(drafts) - (len(got) - 1)
-            computed += len(got)
-        else:
-            computed += n
-        tokens += got
-        drafts = dict(zip(res.draft_request_ids, res.draft_token_ids)).get("r", [])
-        if not ends:
-            assert drafts == []
-            continue
-        with torch.no_grad():
-            feats = hf(torch.tensor([tokens[:computed]]), output_hidden_states=True).hidden_states[-1][0]
-        want, _, _ = reference_chain(head, feats, torch.tensor(tokens[1 : computed + 1]), 3)
-        assert drafts == want, (step, drafts, want)
-    assert accepted > 0 and rejected > 0, (accepted, rejected)
-
-
-def test_worker_verifies_draft_trees_and_moves_the_accepted_path(tmp_path, smollm2_dir):
-    """EAGLE-2 trees in the worker (ModelRunner + EagleProposer, 16-token model, 3 wide, 3 deep,
-    6 nodes): after every step the tree equals a full recompute's over transformers' features of
-    the valid sequence (so the accepted path's features reach the head), paths off the first
-    branch get accepted (their K/V moved into place), and every token is the target's greedy
-    choice given the ones before it (so the moved K/V is what later steps read)."""
+    makes some get accepted, some rejected): 3-token chains, or EAGLE-2 trees 3 wide, 3 deep,
+    6 nodes. After every step the drafts must equal a from-scratch recompute over transformers'
+    features of the whole valid sequence: the rows, positions and following tokens handed to the
+    head line up (a tree's accepted path's too), and rejected positions are cropped from its KV.
+    Tree paths off the first branch get accepted, their K/V moved into place, and every token is
+    the target's greedy choice given the ones before it (so the moved K/V is what later steps read)."""
     from transformers import AutoModelForCausalLM
 
     from axonserve.config import EngineConfig, SpeculativeConfig
@@ -257,17 +202,18 @@ def test_worker_verifies_draft_trees_and_moves_the_accepted_path(tmp_path, smoll
     EagleHead.from_target(target, torch.arange(16)).save_pretrained(head_dir)
     head = EagleHead.from_pretrained(head_dir, target)
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    spec = SpeculativeConfig(method="eagle", model=head_dir, num_speculative_tokens=6, tree_width=3, tree_depth=3)
+    k = 3 if shape == "chain" else 6
+    spec = SpeculativeConfig(method="eagle", model=head_dir, num_speculative_tokens=k, tree_width=3, tree_depth=3)
     runner = ModelRunner(EngineConfig(model=target, block_size=4, num_kv_blocks=64, threads=2, speculative=spec))
 
     prompt = [int(t) for t in torch.randint(0, 16, (13,), generator=torch.Generator().manual_seed(2))]
     tokens, computed, drafts, parents = list(prompt), 0, [], []
-    accepted = moved = 0
+    accepted = rejected = moved = 0
     params = SamplingParams(temperature=0.0)
-    have: list[int] = []
+    have: list[int] = []  # KV blocks the runner already holds for "r"
     for step in range(30):
         n = min(5, len(tokens) - computed) + len(drafts)
-        ends = computed + n >= len(tokens)
+        ends = computed + n >= len(tokens)  # samples at the end of this step: drafts are asked for
         blocks = list(range(-(-(computed + n) // 4)))
         if step == 0:
             plan_req = dict(new=[NewRequestData("r", list(tokens), len(tokens), blocks, 0, params)])
@@ -275,29 +221,32 @@ def test_worker_verifies_draft_trees_and_moves_the_accepted_path(tmp_path, smoll
             plan_req = dict(cached=[CachedRequestData("r", blocks[len(have):])])
         have = blocks
         plan = StepPlan(step, num_scheduled_tokens=[n], draft_token_ids={"r": drafts} if drafts else {},
-                        draft_parents={"r": parents} if drafts else {}, want_features=True,
-                        num_drafts={"r": 6} if ends else {}, **plan_req)
+                        draft_parents={"r": parents} if drafts and shape == "tree" else {}, want_features=True,
+                        num_drafts={"r": k} if ends else {}, **plan_req)
         res = runner.execute(plan)
         assert res.error is None, res.error
         got = res.sampled_token_ids
         if drafts:
             path = tree_path(drafts, parents, got)
-            accepted += len(path)
+            accepted, rejected = accepted + len(path), rejected + len(drafts) - len(path)
             moved += path != list(range(len(path)))
             computed += len(got)
         else:
             computed += n
         tokens += got
         drafts = dict(zip(res.draft_request_ids, res.draft_token_ids)).get("r", [])
-        parents = dict(zip(res.draft_request_ids, res.draft_parents)).get("r", [])
+        parents = dict(zip(res.draft_request_ids, res.draft_parents)).get("r", list(range(-1, len(drafts) - 1)))
         if not ends:
             assert drafts == []
             continue
         with torch.no_grad():
             feats = hf(torch.tensor([tokens[:computed]]), output_hidden_states=True).hidden_states[-1][0]
-        want = reference_tree(head, feats, torch.tensor(tokens[1 : computed + 1]), 3, 3, 6)
-        assert (drafts, parents) == want, step
-    assert accepted > 0 and moved > 0, (accepted, moved)
+        follow = torch.tensor(tokens[1 : computed + 1])
+        if shape == "chain":
+            assert not res.draft_parents and drafts == reference_chain(head, feats, follow, 3)[0], step
+        else:
+            assert (drafts, parents) == reference_tree(head, feats, follow, 3, 3, 6), step
+    assert accepted > 0 and rejected > 0 and (moved > 0) == (shape == "tree"), (accepted, rejected, moved)
     with torch.no_grad():
         greedy = hf(torch.tensor([tokens[:-1]])).logits[0].argmax(-1)
     assert tokens[len(prompt):] == greedy[len(prompt) - 1 :].tolist()
