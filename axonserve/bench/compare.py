@@ -89,8 +89,12 @@ def run_server(spec: ServerSpec, work: Workload, opts: LevelOptions, tok: Any, k
             print(f"### {spec.name}: healthy after {srv.startup_s:.1f} s", flush=True)
             model = spec.model or discover_model(srv.base_url)
             runs = run_levels(srv.base_url, model, work, opts, tok, engine=spec.name,
-                              pgids={srv.proc.pid})
-            spec_stats = speculation(srv.base_url)
+                              pgids={srv.proc.pid}, probe=lambda: spec_counters(srv.base_url))
+            spec_stats = spec_summary(spec_counters(srv.base_url))
+        for r in runs:  # each level's own speculation: acceptance differs with the batch
+            level = spec_summary(r.pop("probe_delta", {}))
+            if level:
+                r["spec_decode"] = level
         out = {"engine": spec.name, "startup_s": srv.startup_s, "note": spec.note, "runs": runs}
         if spec_stats:
             out["spec_decode"] = spec_stats
@@ -101,32 +105,37 @@ def run_server(spec: ServerSpec, work: Workload, opts: LevelOptions, tok: Any, k
         return {"engine": spec.name, "error": str(e)[-2000:], "runs": []}
 
 
-def speculation(base_url: str) -> dict:
-    """Mean accepted length and acceptance by position from vLLM's spec_decode counters on
-    /metrics (whole run, warm-up included); {} when the server does not speculate."""
+def spec_counters(base_url: str) -> dict[str, float]:
+    """vLLM's spec_decode counters on /metrics (per position as `pos<i>`); {} when unreadable."""
     import httpx
 
     try:
         text = httpx.get(f"{base_url}/metrics", timeout=10).text
     except httpx.HTTPError:
         return {}
-    totals: dict[str, float] = {}
-    per_pos: dict[int, float] = {}
+    out: dict[str, float] = {}
     for line in text.splitlines():
         if not line.startswith("vllm:spec_decode_") or "_created" in line:
             continue
         name, value = line.rsplit(" ", 1)
         if "position=" in name:
-            per_pos[int(name.split('position="')[1].split('"')[0])] = float(value)
+            out["pos" + name.split('position="')[1].split('"')[0]] = float(value)
         else:
-            totals[name.split("{")[0].removesuffix("_total")] = float(value)
-    drafts = totals.get("vllm:spec_decode_num_drafts", 0.0)
+            out[name.split("{")[0].removeprefix("vllm:spec_decode_").removesuffix("_total")] = float(value)
+    return out
+
+
+def spec_summary(c: dict[str, float]) -> dict:
+    """Mean accepted length and acceptance by position from spec_decode counters (or the part
+    of them one level added); {} when nothing was verified."""
+    drafts = c.get("num_drafts", 0.0)
     if not drafts:
         return {}
-    accepted = totals.get("vllm:spec_decode_num_accepted_tokens", 0.0)
-    return {"verifications": int(drafts), "draft_tokens": int(totals.get("vllm:spec_decode_num_draft_tokens", 0)),
+    accepted = c.get("num_accepted_tokens", 0.0)
+    pos = sorted(int(k[3:]) for k in c if k.startswith("pos"))
+    return {"verifications": int(drafts), "draft_tokens": int(c.get("num_draft_tokens", 0)),
             "accepted_tokens": int(accepted), "mean_accepted_length": round(1 + accepted / drafts, 3),
-            "acceptance_by_position": [round(per_pos[i] / drafts, 3) for i in sorted(per_pos)]}
+            "acceptance_by_position": [round(c[f"pos{i}"] / drafts, 3) for i in pos]}
 
 
 def run_transformers(model_dir: str, work: Workload, concs: list[int | None], tok: Any,
@@ -181,7 +190,7 @@ def table(engines: list[dict]) -> str:
     concurrency (tok/s: >1 means axonserve is faster; TTFT/ITL: <1 means axonserve is faster)."""
     base = {r["concurrency"]: r["summary"] for e in engines if e["engine"] == "axonserve" for r in e["runs"]}
     head = ("| engine | conc | out tok/s | axon÷ tok/s | req/s | TTFT p50 ms | axon÷ TTFT | ITL p50 ms "
-            "| axon÷ ITL | TPOT p50 ms | ok/failed | startup s | load1 start→end | other procs (cores) |")
+            "| axon÷ ITL | TPOT p50 ms | accepted len | ok/failed | startup s | load1 start→end | other procs (cores) |")
     ncol = head.count("|") - 1
     rows = [head, "|" + "---|" * ncol]
     for e in engines:
@@ -201,7 +210,7 @@ def table(engines: list[dict]) -> str:
                 f"| {e['engine']} | {r['concurrency']} | {s['output_throughput']:.1f} | {ratio('output_throughput')} "
                 f"| {s['request_throughput']:.2f} | {_f(s['ttft_ms']['p50'], 0)} | {ratio('ttft_ms', 'p50')} "
                 f"| {_f(s['itl_ms']['p50'])} | {ratio('itl_ms', 'p50')} | {_f(s['tpot_ms']['p50'])} "
-                f"| {s['completed']}/{s['failed']} | {_f(e.get('startup_s'))} "
+                f"| {_f(r.get('spec_decode', {}).get('mean_accepted_length'), 2)} | {s['completed']}/{s['failed']} | {_f(e.get('startup_s'))} "
                 f"| {_f(ld.get('loadavg_start', [None])[0], 2)}→{_f(ld.get('loadavg_end', [None])[0], 2)} "
                 f"| {_f(ld.get('other_cores'), 2)} |")
     return "\n".join(rows)

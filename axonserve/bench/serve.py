@@ -15,6 +15,7 @@ import platform
 import sys
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -65,8 +66,10 @@ def discover_model(base_url: str) -> str:
 
 
 def run_levels(base_url: str, model: str, work: Workload, opts: LevelOptions, tokenizer: Any,
-               engine: str = "server", pgids: set[int] | None = None) -> list[dict]:
-    """Warm up, then one measured run per concurrency level; returns JSON-ready runs."""
+               engine: str = "server", pgids: set[int] | None = None,
+               probe: Callable[[], dict[str, float]] | None = None) -> list[dict]:
+    """Warm up, then one measured run per concurrency level; returns JSON-ready runs. probe:
+    server counters read around each level; a run's `probe_delta` is what its level added."""
     args = (tokenizer, work.vocab_size)
     if opts.warmup:
         warm = Workload(**{**work.__dict__, "num_prompts": opts.warmup, "output_len": min(8, work.output_len),
@@ -86,6 +89,7 @@ def run_levels(base_url: str, model: str, work: Workload, opts: LevelOptions, to
                          ignore_eos=opts.ignore_eos, extra_body=opts.extra_body,
                          progress=opts.progress, desc=label)
         mon = LoadMonitor(pgids or set())
+        before = probe() if probe else {}
         mon.start()
         results, duration = asyncio.run(run_load(cfg, specs))
         load = mon.stop()
@@ -93,6 +97,9 @@ def run_levels(base_url: str, model: str, work: Workload, opts: LevelOptions, to
         runs.append({"engine": engine, "label": label, "concurrency": conc,
                      "request_rate": opts.request_rate, "summary": summary, "load": load,
                      "requests": [r.to_json() for r in results]})
+        if probe:
+            after = probe()
+            runs[-1]["probe_delta"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
         print_summary(label, summary, load)
     return runs
 
