@@ -190,7 +190,8 @@ def table(engines: list[dict]) -> str:
     concurrency (tok/s: >1 means axonserve is faster; TTFT/ITL: <1 means axonserve is faster)."""
     base = {r["concurrency"]: r["summary"] for e in engines if e["engine"] == "axonserve" for r in e["runs"]}
     head = ("| engine | conc | out tok/s | axon÷ tok/s | req/s | TTFT p50 ms | axon÷ TTFT | ITL p50 ms "
-            "| axon÷ ITL | TPOT p50 ms | accepted len | ok/failed | startup s | load1 start→end | other procs (cores) |")
+            "| axon÷ ITL | TPOT p50 ms | accepted len | ok/failed | startup s | load1 start→end "
+            "| other procs (cores) |")
     ncol = head.count("|") - 1
     rows = [head, "|" + "---|" * ncol]
     for e in engines:
@@ -210,7 +211,8 @@ def table(engines: list[dict]) -> str:
                 f"| {e['engine']} | {r['concurrency']} | {s['output_throughput']:.1f} | {ratio('output_throughput')} "
                 f"| {s['request_throughput']:.2f} | {_f(s['ttft_ms']['p50'], 0)} | {ratio('ttft_ms', 'p50')} "
                 f"| {_f(s['itl_ms']['p50'])} | {ratio('itl_ms', 'p50')} | {_f(s['tpot_ms']['p50'])} "
-                f"| {_f(r.get('spec_decode', {}).get('mean_accepted_length'), 2)} | {s['completed']}/{s['failed']} | {_f(e.get('startup_s'))} "
+                f"| {_f(r.get('spec_decode', {}).get('mean_accepted_length'), 2)} "
+                f"| {s['completed']}/{s['failed']} | {_f(e.get('startup_s'))} "
                 f"| {_f(ld.get('loadavg_start', [None])[0], 2)}→{_f(ld.get('loadavg_end', [None])[0], 2)} "
                 f"| {_f(ld.get('other_cores'), 2)} |")
     return "\n".join(rows)
