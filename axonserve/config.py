@@ -17,9 +17,10 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
     # ngram (prompt lookup, in the scheduler) | eagle (draft head, run by worker rank 0 on the
     # step's own hidden states) | draft_model (a smaller LM, in the drafter actor)
     method: str
-    # drafts verified per step: a chain's length, a draft tree's nodes. 0: the method's default, 8 for
-    # eagle (a draft tree: mean accepted length 2.5-2.65 served on SmolLM2, where a 3-chain reached
-    # 2.0-2.1), 3 otherwise
+    # drafts verified per step: a chain's length, a draft tree's nodes. 0: the method's default, 12 for
+    # eagle (a draft tree; served on SmolLM2, one stream: 8 nodes accepted 2.48, 10 2.56, 12 2.62 at
+    # equal tok/s, each node ~0.3 ms of verification against ~0.04 more accepted; a 3-chain 2.03), 3
+    # otherwise
     num_speculative_tokens: int = 0
     model: str = ""  # eagle: head directory ("" = the head shipped for the default model); draft_model: the model
     prompt_lookup_min: int = 1  # ngram: shortest suffix matched
@@ -61,7 +62,7 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
 
     def __post_init__(self) -> None:
         if not self.num_speculative_tokens:
-            self.num_speculative_tokens = 8 if self.method == "eagle" else 3
+            self.num_speculative_tokens = 12 if self.method == "eagle" else 3
 
     @property
     def tree(self) -> tuple[int, int] | None:

@@ -258,8 +258,8 @@ def test_bad_tree_configs_are_refused(bad, match):
 
 
 def test_eagle_drafts_trees_by_default():
-    """EAGLE's default is an 8-node tree 4 wide and 4 deep; n-gram keeps 3-token chains."""
+    """EAGLE's default is a 12-node tree 4 wide and 4 deep; n-gram keeps 3-token chains."""
     eagle, ngram = SpeculativeConfig.parse({"method": "eagle"}), SpeculativeConfig.parse({"method": "ngram"})
-    assert (eagle.num_speculative_tokens, eagle.tree) == (8, (4, 4))
+    assert (eagle.num_speculative_tokens, eagle.tree) == (12, (4, 4))
     assert (ngram.num_speculative_tokens, ngram.tree) == (3, None)
     assert SpeculativeConfig.parse({"method": "eagle", "tree_width": 1}).tree is None
