@@ -323,7 +323,7 @@ class ModelRunner:
             d = drafts.get(st.request_id)
             input_ids.extend(st.token_ids[c : c + n] if d is None else [st.token_ids[c], *d])
             last_tok[st.request_id] = len(input_ids) - 1
-        trees = {i: [-1, *(p + 1 for p in plan.draft_parents[st.request_id])] for i, (st, _) in enumerate(flat)
+        trees = {i: plan.draft_parents[st.request_id] for i, (st, _) in enumerate(flat)
                  if st.request_id in plan.draft_parents}
         meta = AttentionMetadata.build(
             [n for _, n in flat], [st.num_computed_tokens for st, _ in flat], [st.block_ids for st, _ in flat],

@@ -512,20 +512,18 @@ class EagleProposer:
         paged path needs them)."""
         if not request_ids:
             return [], None
-        most = max(num_drafts)
-        if self.paged is not None and block_tables is not None:
-            # a tree while the nodes wanted outnumber its depth; fewer (under load) make a chain,
-            # which drafts them at a quarter of the rows
-            tree = None
-            if self.tree is not None and most > self.tree[1]:
-                tree = (self.tree[0], self.tree[1], num_drafts)
-            elif self.tree is not None:
-                num_drafts = [min(m, self.tree[1]) for m in num_drafts]
+        paged = self.paged is not None and block_tables is not None
+        # a tree while the nodes wanted outnumber its depth (paged path only); fewer (under load)
+        # make a chain, which drafts them at a quarter of the rows, no longer than the depth
+        tree = None
+        if self.tree is not None and paged and max(num_drafts) > self.tree[1]:
+            tree = (*self.tree, num_drafts)
+        elif self.tree is not None:
+            num_drafts = [min(m, self.tree[1]) for m in num_drafts]
+        if paged:
             drafts, parents = self.paged.propose(block_tables, starts, tokens, feats, max(num_drafts), self.min_prob,
                                                  tree)
-            return ([d[:m] for d, m in zip(drafts, num_drafts)], parents)
-        if self.tree is not None:  # the dense path drafts the tree's deepest path as a chain
-            num_drafts = [min(m, self.tree[1]) for m in num_drafts]
+            return [d[:m] for d, m in zip(drafts, num_drafts)], parents
         kvs = []
         for rid, start in zip(request_ids, starts):
             kv = self.kvs.get(rid)

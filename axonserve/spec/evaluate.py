@@ -15,6 +15,7 @@ import torch
 
 from axonserve.spec.data import Sequence
 from axonserve.spec.eagle import DraftKV, EagleHead, propose
+from axonserve.spec.tree import tree_walk
 
 
 def simulate_acceptance(head: EagleHead, seqs: list[Sequence], k: int, batch: int = 16, min_prob: float = 0.0) -> dict:
@@ -81,17 +82,6 @@ def reference_tree(head: EagleHead, feats: torch.Tensor, toks: torch.Tensor, dep
     return [nodes[j][0] for j in kept], [where.get(nodes[j][1], -1) for j in kept]
 
 
-def accepted_in_tree(drafts: list[int], parents: list[int], truth: list[int]) -> int:
-    """How many drafts a greedy verification accepts: the path of children matching `truth`."""
-    node, a = -1, 0
-    while a < len(truth):
-        node = next((j for j, (t, p) in enumerate(zip(drafts, parents)) if p == node and t == truth[a]), -2)
-        if node == -2:
-            break
-        a += 1
-    return a
-
-
 @torch.inference_mode()
 def simulate_tree_acceptance(head: EagleHead, seqs: list[Sequence], depth: int, width: int, budget: int) -> dict:
     """What tree drafting (EAGLE-2's dynamic tree, `reference_tree`) would accept, greedy: the
@@ -102,7 +92,7 @@ def simulate_tree_acceptance(head: EagleHead, seqs: list[Sequence], depth: int, 
         last = s.prompt_len - 1
         while last + depth + 2 <= len(s.ids):
             drafts, parents = reference_tree(head, s.feats[: last + 1], s.ids[1 : last + 2], depth, width, budget)
-            a = accepted_in_tree(drafts, parents, s.ids[last + 2 : last + 2 + depth].tolist())
+            a = len(tree_walk(drafts, parents, s.ids[last + 2 : last + 2 + depth].tolist()))
             rounds, tokens, nodes = rounds + 1, tokens + 1 + a, nodes + len(drafts)
             last += 1 + a
     return {"depth": depth, "width": width, "budget": budget, "rounds": rounds,

@@ -21,11 +21,18 @@ def tree_depths(parents: list[int]) -> list[int]:
     return depth
 
 
-def tree_path(drafts: list[int], parents: list[int], accepted: list[int]) -> list[int]:
-    """The drafts a verification accepted (indices), from its output tokens: the first child
-    holding each token in turn (as verify walks); the last token is the sampled one."""
+def tree_walk(drafts: list[int], parents: list[int], tokens: list[int]) -> list[int]:
+    """The drafts (indices) that hold `tokens` in turn from the root, the first such child at
+    each step (as verification walks), until a token no child holds."""
     kids, node, path = tree_children(parents), -1, []
-    for tok in accepted[:-1]:
-        node = next(c for c in kids[node + 1] if drafts[c] == tok)
+    for tok in tokens:
+        node = next((c for c in kids[node + 1] if drafts[c] == tok), -1)
+        if node < 0:
+            break
         path.append(node)
     return path
+
+
+def tree_path(drafts: list[int], parents: list[int], accepted: list[int]) -> list[int]:
+    """The drafts a verification accepted, from its output tokens (the last one is sampled)."""
+    return tree_walk(drafts, parents, accepted[:-1])

@@ -69,7 +69,7 @@ def test_draft_tree_rows_attend_to_their_ancestors():
     q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
     for kernels in kinds:
         meta = AttentionMetadata.build([n for n, _ in seqs], [c for _, c in seqs], tables, bs, native=kernels,
-                                       trees=trees)
+                                       trees={i: [p - 1 for p in rows[1:]] for i, rows in trees.items()})
         if kernels is None:
             assert meta.short == (2, 7) and len(meta.prefills) == 2
         k_cache, v_cache = k_init.clone(), v_init.clone()

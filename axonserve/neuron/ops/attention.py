@@ -18,6 +18,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from axonserve.spec.tree import tree_depths
+
 
 @dataclass
 class PrefillSeq:
@@ -65,9 +67,10 @@ class AttentionMetadata:
     ) -> "AttentionMetadata":
         """Sequences must come decodes (query_len == 1) first, then prefills, in flat-batch order.
         native: the kernels module, when the model's dtype has native kernels.
-        trees: sequence index -> the parent row of each of its query rows (speculative verification
-        of a draft tree: row 0, the last known token, has parent -1). Its rows occupy consecutive
-        slots but sit at position context + depth and attend to the context plus their ancestors."""
+        trees: sequence index -> its drafts' parents (spec/tree.py; speculative verification of a
+        draft tree: query row 0 is the last known token, row 1 + j draft j). Its rows occupy
+        consecutive slots but sit at position context + depth and attend to the context plus their
+        ancestors."""
         n = len(query_lens)
         q = np.asarray(query_lens, dtype=np.int64)
         ctx = np.asarray(context_lens, dtype=np.int64)
@@ -167,20 +170,14 @@ SHORT_QUERY = 16  # longest chunk the batched short-chunk path takes
 
 
 def tree_shape(parents: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """(depth [q], ancestor-or-self mask [q, q] bool) of a tree given each row's parent row
-    (-1 for the root, else an earlier row)."""
-    n = len(parents)
-    depth = np.zeros(n, dtype=np.int64)
-    anc = np.eye(n, dtype=bool)
-    for r, p in enumerate(parents):
-        if p >= 0:
-            if p >= r:
-                raise ValueError(f"tree row {r} has parent {p}: parents must come first")
-            depth[r] = depth[p] + 1
-            anc[r] |= anc[p]
-        elif r:
-            raise ValueError(f"tree row {r} has no parent: only row 0 is the root")
-    return depth, anc
+    """(depth [1 + n], ancestor-or-self mask [1 + n, 1 + n] bool) of the query rows of a draft
+    tree given its drafts' parents: row 0 the root, row 1 + j draft j."""
+    anc = np.eye(len(parents) + 1, dtype=bool)
+    for j, p in enumerate(parents):
+        if not -1 <= p < j:
+            raise ValueError(f"draft {j} has parent {p}: parents must come first")
+        anc[j + 1] |= anc[p + 1]
+    return np.asarray(tree_depths(parents), dtype=np.int64), anc
 
 
 class DecodeRun:
