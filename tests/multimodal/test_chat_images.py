@@ -56,7 +56,8 @@ def image_host():
 def server(tiny_llava_dir):
     args = ("--encoder-workers", "2", "--served-model-name", "m", "--num-kv-blocks", "400", "--block-size", "4",
             "--max-model-len", "256", "--allowed-media-domains", "127.0.0.1", "--max-images-per-request", "3",
-            "--threads", "1", "--max-image-bytes", "200000")
+            "--threads", "1", "--max-image-bytes", "200000",
+            "--allow-private-image-urls")  # the test's image host is on the loopback
     with serve(tiny_llava_dir, *args) as srv:
         yield srv
 
