@@ -7,8 +7,15 @@ what it adds over `[prefix_offset:read_offset]`, and hold back text that ends in
 incomplete character) until the next token completes it.
 
 Stop strings live here because the engine never sees text. A stop string can straddle
-deltas, so while stop strings are set we hold back the last `len(longest stop) - 1` chars:
-they might turn out to be the start of a stop string and must then never be emitted.
+deltas, so we hold back the end of the text that could still start one (at most
+`len(longest stop) - 1` chars): it must never be emitted if the stop string completes.
+
+Per token the work is bounded by the token, not by the output so far (issue 27 item 7): the
+decode window is a few tokens, stop strings are searched only in the new text plus
+`len(stop) - 1` chars before it, and the held-back end is looked for only past what was already
+emitted. `scanned_chars` counts the characters the stop-string checks examined, so tests can
+check that without timing. (One O(output) cost remains per token: `text`, the output so far, is
+a str rebuilt by each append, because the client hands it out as `output_text` on every delta.)
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ class IncrementalDetokenizer:
         # Hold back a possible stop-string prefix, unless it would be emitted anyway.
         longest = max((len(s) for s in self._stop), default=0)
         self._holdback = 0 if include_stop_str_in_output else max(longest - 1, 0)
+        self.scanned_chars = 0  # chars examined by stop-string checks (a work counter for tests)
         context = [t for t in prompt_token_ids[-_PROMPT_CONTEXT:] if t not in self._special]
         self._ids: list[int] = list(context)
         self._prefix_offset = 0
@@ -114,7 +122,9 @@ class IncrementalDetokenizer:
         """Search stop strings in text that could involve the new chars; truncate on a hit."""
         best: tuple[int, str] | None = None
         for s in self._stop:
-            idx = self.text.find(s, max(before - len(s) + 1, 0))
+            start = max(before - len(s) + 1, 0)  # a match must involve the new chars
+            self.scanned_chars += len(self.text) - start
+            idx = self.text.find(s, start)
             if idx >= 0 and (best is None or idx < best[0]):
                 best = (idx, s)
         if best is None:
@@ -124,8 +134,24 @@ class IncrementalDetokenizer:
         self.stop_string = s
         return True
 
+    def _held(self) -> int:
+        """Length of the longest end of the text that is a proper prefix of a stop string.
+
+        Only ends starting at or after what was already emitted can qualify (an end that could
+        start a stop string now could one step earlier too), so each start position is rejected
+        at most once per stream: amortized O(stops * longest stop) per new char."""
+        n = len(self.text)
+        for p in range(max(n - self._holdback, self._emitted), n):
+            end = self.text[p:]
+            self.scanned_chars += (n - p) * len(self._stop)
+            if any(len(s) > len(end) and s.startswith(end) for s in self._stop):
+                return n - p
+        return 0
+
     def _take(self, done: bool) -> str:
-        end = len(self.text) if done else max(len(self.text) - self._holdback, self._emitted)
+        end = len(self.text)
+        if not done and self._holdback:
+            end = max(end - self._held(), self._emitted)
         out = self.text[self._emitted : end]
         self._emitted = end
         return out
