@@ -13,7 +13,7 @@ import msgspec
 import structlog
 
 from axonserve import __version__
-from axonserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, SpeculativeConfig
+from axonserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, RequestLimits, SpeculativeConfig
 from axonserve.engine.buckets import parse_buckets
 from axonserve.logs import setup_logging
 
@@ -45,8 +45,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="multi-step decoding: a pure-decode batch runs up to N forwards per plan (less engine "
                         "overhead per token; tokens stream N at a time, arrivals wait up to N-1 forwards)")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    p.add_argument("--max-waiting", type=int, default=0,
+    p.add_argument("--max-waiting", type=int, default=1024,
                    help="bound on queued requests; beyond it requests get HTTP 503 (0: unbounded)")
+    p.add_argument("--max-waiting-tokens", type=int, default=1 << 20,
+                   help="bound on the prompt tokens of queued requests; beyond it HTTP 503 (0: unbounded)")
+    p.add_argument("--request-timeout", type=float, default=0.0, metavar="SECONDS", dest="request_timeout_s",
+                   help="a request older than this ends with an error (HTTP 408) and frees its KV cache (0: none)")
+    lim = RequestLimits()
+    p.add_argument("--max-request-fanout", type=int, default=lim.max_fanout, dest="max_fanout",
+                   help="generations one request may start: prompts x n (embeddings: inputs)")
+    p.add_argument("--max-stop-strings", type=int, default=lim.max_stop_strings)
+    p.add_argument("--max-stop-string-chars", type=int, default=lim.max_stop_string_chars)
+    p.add_argument("--max-logit-bias", type=int, default=lim.max_logit_bias,
+                   help="entries in logit_bias (and in stop_token_ids)")
+    p.add_argument("--max-structured-output-bytes", type=int, default=lim.max_structured_output_bytes,
+                   help="size of a JSON schema, regex, grammar or choice list (tools with tool_choice too)")
+    p.add_argument("--max-tools", type=int, default=lim.max_tools, help="tools in one chat request")
+    p.add_argument("--max-request-id-chars", type=int, default=lim.max_request_id_chars)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: the checkpoint's precision; 16-bit and quantized (GGUF) checkpoints run in "
                         "bfloat16 where the CPU has native bf16, float32 checkpoints stay float32")
@@ -87,14 +102,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="hosts image_url may fetch http(s) images from ('*': any); default: data: URLs only")
     p.add_argument("--max-image-bytes", type=int, default=10 * 2**20, help="largest image accepted (encoded bytes)")
     p.add_argument("--max-images-per-request", type=int, default=8)
+    p.add_argument("--max-image-pixels", type=int, default=16 * 2**20,
+                   help="largest image accepted (width * height, checked before decoding)")
+    p.add_argument("--max-image-decoded-bytes-per-request", type=int, default=128 * 2**20,
+                   help="a request's images, decoded (width * height * channels, summed)")
+    p.add_argument("--image-fetch-timeout-s", type=float, default=10.0,
+                   help="total time to fetch a request's http(s) image URLs (DNS, connect, headers, body)")
+    p.add_argument("--allow-private-image-urls", action="store_true",
+                   help="fetch image URLs that resolve to private, loopback or link-local addresses")
     p.add_argument("--role", default="both", choices=["both", "decode"],
                    help="prefill/decode disaggregation: decode = this engine's worker ranks only decode; a "
                         "prefill pool (its own scheduler and ranks) computes prompts and moves their KV over")
     p.add_argument("--log-format", default="console", choices=["console", "json"])
     p.add_argument("--log-level", default="info")
-    p.add_argument("--profile-dir", default=os.environ.get("VLLM_TORCH_PROFILER_DIR", ""), metavar="DIR",
-                   help="enable POST /start_profile and /stop_profile: torch.profiler traces per worker "
-                        "rank go here (default: $VLLM_TORCH_PROFILER_DIR)")
+    p.add_argument("--profile-dir", default="", metavar="DIR",
+                   help="enable POST /start_profile and /stop_profile (behind --api-key): torch.profiler "
+                        "traces per worker rank go here (only this flag enables them)")
+    p.add_argument("--profile-max-steps", type=int, default=200,
+                   help="a profile stops recording after this many engine steps (bounds a trace's size)")
+    p.add_argument("--profile-max-traces", type=int, default=16,
+                   help="traces kept per worker rank in --profile-dir; older ones are deleted")
     p.add_argument("--snapshot", type=_snapshot_rules, default=None, metavar="RULES",
                    help="capture tensors for matching requests/steps into --snapshot-dir. " + _rules_help())
     p.add_argument("--snapshot-dir", default="axonserve-snapshots", metavar="DIR",
@@ -155,6 +182,9 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         num_scheduler_steps=args.num_scheduler_steps,
         scheduling_policy=args.scheduling_policy,
         max_waiting=args.max_waiting,
+        max_waiting_tokens=args.max_waiting_tokens,
+        request_timeout_s=args.request_timeout_s,
+        limits=RequestLimits(**{f: getattr(args, f) for f in RequestLimits.__struct_fields__}),
         dtype=args.dtype,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
@@ -170,6 +200,8 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         log_format=args.log_format,
         log_level=args.log_level,
         profile_dir=os.path.abspath(args.profile_dir) if args.profile_dir else "",
+        profile_max_steps=args.profile_max_steps,
+        profile_max_traces=args.profile_max_traces,
         snapshot=args.snapshot or "",
         encoder_workers=args.encoder_workers,
         role=args.role,
@@ -177,6 +209,10 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         allowed_media_domains=list(args.allowed_media_domains),
         max_image_bytes=args.max_image_bytes,
         max_images_per_request=args.max_images_per_request,
+        max_image_pixels=args.max_image_pixels,
+        max_image_decoded_bytes_per_request=args.max_image_decoded_bytes_per_request,
+        image_fetch_timeout_s=args.image_fetch_timeout_s,
+        allow_private_image_urls=args.allow_private_image_urls,
         snapshot_dir=os.path.abspath(args.snapshot_dir) if args.snapshot else "",
         speculative=args.speculative_config,
         **extra,
@@ -212,7 +248,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     config = msgspec.structs.replace(config, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                                     tool_call_parser=args.tool_call_parser or "")
+                                     tool_call_parser=args.tool_call_parser or "",
+                                     trust_request_chat_template=args.trust_request_chat_template,
+                                     chat_template_timeout_s=args.chat_template_timeout)
     import uvloop
 
     return uvloop.run(_serve(config))
@@ -242,12 +280,17 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None,
                        help="require `Authorization: Bearer KEY` on /v1/* (or set AXONSERVE_API_KEY / VLLM_API_KEY)")
-    serve.add_argument("--allowed-origins", type=json.loads, default=["*"], help="CORS origins (JSON list)")
+    serve.add_argument("--allowed-origins", type=json.loads, default=[],
+                       help='CORS origins (JSON list, e.g. \'["https://app.example"]\'); default none: no CORS')
     serve.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS methods (JSON list)")
     serve.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS headers (JSON list)")
     serve.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     serve.add_argument("--max-request-body-bytes", type=int, default=32 * 2**20,
                        help="larger HTTP request bodies get 413")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let requests bring their own chat template (`chat_template`); off: HTTP 400")
+    serve.add_argument("--chat-template-timeout", type=float, default=10.0, metavar="SECONDS",
+                       help="a chat template render taking longer is stopped (HTTP 400)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='allow tool_choice "auto": the model decides, --tool-call-parser reads its calls')
     serve.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,

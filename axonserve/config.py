@@ -132,6 +132,29 @@ def resolve_dtype(model_dir: str) -> str:
     return "bfloat16" if declared in ("bfloat16", "float16") and cpu_has_bf16() else "float32"
 
 
+class RequestLimits(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """Bounds on what one request may ask of the engine: a request is hostile until bounded.
+
+    The engine announces them in `EngineInfo`, so the client library refuses an oversized
+    request before it is sent (HTTP 400 naming the parameter); the scheduler checks them again
+    for clients that do not. vLLM leaves most of these unbounded."""
+
+    # engine requests one API call may start: prompts x n for completions, inputs for embeddings
+    max_fanout: int = 128
+    max_stop_strings: int = 16  # OpenAI allows 4; vLLM any number
+    max_stop_string_chars: int = 512  # a stop string holds back up to this many characters of a stream
+    max_logit_bias: int = 1024  # logit_bias entries (also bounds stop_token_ids)
+    max_structured_output_bytes: int = 64 * 1024  # a JSON schema, regex, grammar or choice list, serialized
+    max_tools: int = 128  # tools in one chat request
+    max_request_id_chars: int = 128  # request_id: also [A-Za-z0-9._:-] only (it is echoed in chunks and logs)
+
+    def validate(self) -> "RequestLimits":
+        for name in self.__struct_fields__:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        return self
+
+
 QUANTIZATIONS = ("int8", "int4")  # weight-only formats (neuron/layers/quant.py)
 KV_CACHE_DTYPES = ("auto", "int8")
 
@@ -162,7 +185,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # which then has the next multi-step plan waiting when one ends)
     num_scheduler_steps: int = 1
     scheduling_policy: str = "fcfs"  # fcfs | priority
-    max_waiting: int = 0  # bound on queued requests (0: unbounded); beyond it -> 503
+    # admission: beyond either bound a request gets 503 at once (0: unbounded). Requests count,
+    # and so do their prompt tokens: a few huge prompts can hold the queue as long as many small ones
+    max_waiting: int = 1024
+    max_waiting_tokens: int = 1 << 20  # ~4-8 min of prefill on a 2-core CPU
+    # a request older than this (from its arrival at the scheduler) ends with an error (HTTP 408) and
+    # frees its KV blocks; 0: no deadline
+    request_timeout_s: float = 0.0
+    limits: RequestLimits = msgspec.field(default_factory=RequestLimits)
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (resolve_dtype; the CLI and LLM default)
     quantization: str = ""  # weight-only int8 | int4 (neuron/layers/quant.py); "" = as loaded
     # KV cache storage (vLLM's --kv-cache-dtype): auto = the model's dtype; int8 = codes with a
@@ -186,6 +216,16 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     allowed_media_domains: list[str] = []  # hosts image_url may fetch http(s) from ("*": any); none: data: URLs only
     max_image_bytes: int = 10 * 2**20  # one image, encoded (PNG/JPEG...) bytes
     max_images_per_request: int = 8
+    # one image's width * height, read from its header before decoding. 16 Mpx holds 4K frames
+    # (8.3 Mpx) and 12-16 MP camera photos, which the processor shrinks to a few hundred pixels
+    # anyway; it is 5x under PIL's 89 Mpx bomb warning, and one such image decodes to 48 MiB (RGB)
+    max_image_pixels: int = 16 * 2**20
+    # a request's images decoded, summed (width * height * channels), charged before each decode:
+    # 128 MiB = two 16 Mpx images or a few phone photos; it bounds what one request can make the
+    # frontend hold (a tiny PNG or 8 of them can otherwise decode to GBs)
+    max_image_decoded_bytes_per_request: int = 128 * 2**20
+    image_fetch_timeout_s: float = 10.0  # total (DNS, connect, headers, body) for all of a request's image URLs
+    allow_private_image_urls: bool = False  # fetch image URLs resolving to private/loopback/link-local addresses
     # prefill/decode disaggregation (engine/disagg.py): both = one engine does everything;
     # decode = this engine decodes while a prefill engine (its own scheduler + worker pool, which
     # the supervisor starts with role prefill) computes prompts and sends their KV
@@ -193,13 +233,23 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # frontend
     host: str = "127.0.0.1"
     port: int = 8000
-    allowed_origins: list[str] = msgspec.field(default_factory=lambda: ["*"])  # CORS, as vLLM's flags
+    # CORS, as vLLM's flags; no origin by default (no CORS middleware): browsers on other sites
+    # cannot call the API unless --allowed-origins names them
+    allowed_origins: list[str] = []
     allowed_methods: list[str] = msgspec.field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = msgspec.field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
     max_request_body_bytes: int = 32 * 2**20  # larger bodies get 413
+    # bus: the largest frame a data socket accepts (ZMQ_MAXMSGSIZE; larger: the sender is
+    # disconnected). 0: max(1 GiB, 128 MiB x max_images_per_request) (actors/runtime.py)
+    max_bus_message_bytes: int = 0
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser), as vLLM's flag
     tool_call_parser: str = ""  # hermes | llama3_json (frontends/openai/tools.py)
+    # chat templates: a request may bring its own (`chat_template`, or in chat_template_kwargs) only
+    # with this flag (vLLM's --trust-request-chat-template); every render runs off the event loop
+    # and is stopped past the time limit (HTTP 400)
+    trust_request_chat_template: bool = False
+    chat_template_timeout_s: float = 10.0
     # the API key is not here: it travels in the environment (AXONSERVE_API_KEY), never argv
     # supervision
     heartbeat_interval_s: float = 1.0
@@ -212,6 +262,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     log_level: str = "info"
     # observability
     profile_dir: str = ""  # torch.profiler traces per worker rank (POST /start_profile); "" = off
+    profile_max_steps: int = 200  # a profile stops recording after this many steps (bounds a trace's size)
+    profile_max_traces: int = 16  # trace files kept in profile_dir; older ones are deleted
     snapshot: str = ""  # tensor snapshot rules as JSON (neuron/snapshot.py SnapshotRules); "" = off
     snapshot_dir: str = ""  # where the snapshot sink writes safetensors files + index.json
     speculative: SpeculativeConfig | None = None  # speculative decoding (engine/spec.py)
@@ -231,6 +283,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
                      if on]
             if clash:
                 raise ValueError(f"multi-step decoding (num_scheduler_steps > 1) is not supported with {clash[0]}")
+        self.limits.validate()
+        if self.max_waiting < 0 or self.max_waiting_tokens < 0 or self.request_timeout_s < 0:
+            raise ValueError("max_waiting, max_waiting_tokens and request_timeout_s must be >= 0 (0: no bound)")
         if self.speculative is not None:
             self.speculative.validate()
             if self.bucketing:

@@ -7,6 +7,17 @@ import sys
 
 import structlog
 
+from axonserve.protocol.messages import caller_request_id
+
+
+def _caller_ids(_: object, __: str, event: dict) -> dict:
+    """Engine lines name a request by the caller's id, as the frontend's access line does; the
+    engine's own id (`<id>@<tag>`, fresh per generation) rides along as `engine_id`."""
+    rid = event.get("request_id")
+    if isinstance(rid, str) and "@" in rid:
+        event["request_id"], event["engine_id"] = caller_request_id(rid), rid
+    return event
+
 
 def setup_logging(fmt: str = "console", level: str = "info", **bind: object) -> None:
     lvl = getattr(logging, level.upper(), logging.INFO)
@@ -20,6 +31,7 @@ def setup_logging(fmt: str = "console", level: str = "info", **bind: object) -> 
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
+            _caller_ids,
             structlog.processors.TimeStamper(fmt="iso", utc=False),
             structlog.processors.format_exc_info,
             renderer,

@@ -61,11 +61,48 @@ def test_profile_routes_write_a_trace_per_rank(tiny_llama_dir, tmp_path):
         assert any(n.startswith("aten::") for n in names), f"{path}: no operator events"
 
 
-def test_profile_routes_need_a_profile_dir(tiny_llama_dir, monkeypatch):
-    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
+def test_profile_routes_need_a_profile_dir(tiny_llama_dir, monkeypatch, tmp_path):
+    """Only --profile-dir enables the routes: vLLM's environment variable does not (a profiler
+    writing to disk is not switched on by a variable someone left in the environment)."""
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "env-prof"))
     with serve(tiny_llama_dir, "--num-kv-blocks", "64") as srv, httpx.Client(base_url=srv.base_url, timeout=60) as http:
         for route in ("/start_profile", "/stop_profile"):
             r = http.post(route)
             assert r.status_code == 400, r.text
             assert "--profile-dir" in r.json()["error"]["message"]
         complete(http, tiny_llama_dir)
+    assert not (tmp_path / "env-prof").exists()
+
+
+def test_profiler_is_guarded_and_bounded(tiny_llama_dir, tmp_path):
+    """With --api-key the profiler routes need the key; a start while one runs, or while a command
+    is in flight, is refused at once (409, not queued); a trace holds at most --profile-max-steps
+    steps and each rank keeps its newest --profile-max-traces traces."""
+    prof, key = tmp_path / "prof", "sk-prof"
+    args = ("--num-kv-blocks", "64", "--profile-dir", str(prof), "--api-key", key,
+            "--profile-max-steps", "3", "--profile-max-traces", "2")
+    auth = {"Authorization": f"Bearer {key}"}
+    with serve(tiny_llama_dir, *args) as srv, httpx.Client(base_url=srv.base_url, timeout=60) as http:
+        for route in ("/start_profile", "/stop_profile"):
+            assert http.post(route).status_code == 401
+        assert not prof.exists() or not list(prof.iterdir())
+        http.headers.update(auth)
+        written: list[str] = []
+        for _ in range(3):
+            assert http.post("/start_profile").status_code == 200
+            again = http.post("/start_profile")
+            assert again.status_code == 409 and "already running" in again.json()["error"]["message"]
+            complete(http, tiny_llama_dir, n=8)  # 8 steps, 3 recorded
+            r = http.post("/stop_profile")
+            assert r.status_code == 200 and r.json()["status"] == "stopped", r.text
+            written += r.json()["files"]
+        assert http.get("/health").status_code == 200
+        complete(http, tiny_llama_dir)
+    kept = sorted(glob.glob(str(prof / "rank0.*.pt.trace.json")))
+    assert kept == sorted(written[1:]), (kept, written)  # the oldest was pruned
+    assert not glob.glob(str(prof / "*.partial"))
+    for path in kept:
+        with open(path) as f:
+            names = {ev.get("name", "") for ev in json.load(f)["traceEvents"]}
+        steps = [n for n in names if n.startswith("step ")]
+        assert 1 <= len(steps) <= 3, steps

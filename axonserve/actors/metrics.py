@@ -14,7 +14,7 @@ import time
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from axonserve.actors.runtime import Actor
+from axonserve.actors.runtime import SMALL_MESSAGE_BYTES, Actor
 from axonserve.protocol import Codec, DecodeError
 from axonserve.protocol.messages import (
     ActorAlive,
@@ -156,8 +156,8 @@ class MetricsActor(Actor):
     kind = "metrics"
 
     async def setup(self) -> dict:
-        self.pull = self.socket(zmq.PULL, self.addresses.stats, bind=True)
-        self.query = self.socket(zmq.ROUTER, self.addresses.metrics, bind=True)
+        self.pull = self.socket(zmq.PULL, self.addresses.stats, bind=True, max_bytes=SMALL_MESSAGE_BYTES)
+        self.query = self.socket(zmq.ROUTER, self.addresses.metrics, bind=True, max_bytes=SMALL_MESSAGE_BYTES)
         name = self.config.served_model_name or self.config.model
         self.metrics = EngineMetrics(name, self.config.max_model_len or 8192)
         return {}
@@ -170,10 +170,10 @@ class MetricsActor(Actor):
             frames = await self.pull.recv_multipart(copy=False)
             try:
                 ev, _ = _stats_codec.decode(frames)
-            except DecodeError as e:
-                self.log.warning("bad_stats_event", error=str(e))
-                continue
-            self.metrics.apply(ev)
+                self.metrics.apply(ev)
+            except (DecodeError, ValueError, TypeError, KeyError, IndexError, OverflowError) as e:
+                # junk, or a well-formed event with impossible values (a negative counter increment)
+                self.dropped("stats event", e)
 
     async def _serve(self) -> None:
         while True:
@@ -181,6 +181,6 @@ class MetricsActor(Actor):
             try:
                 _query_codec.decode(frames)
             except DecodeError as e:
-                self.log.warning("bad_metrics_query", error=str(e))
+                self.dropped("metrics query", e)
                 continue
             await self.query.send_multipart([ident, *Codec.encode(MetricsText(self.metrics.render()))])

@@ -34,6 +34,37 @@ from axonserve.protocol.messages import (
 _control_codec = Codec(Control)
 HEARTBEAT_SUFFIX = "#hb"  # identity suffix of an actor's heartbeat-thread socket
 
+# ZMQ_MAXMSGSIZE, the largest frame a socket accepts (libzmq checks each frame of a message;
+# a peer that sends a larger one is disconnected, its message dropped, before it is buffered).
+# Control, stats and metrics sockets carry small messages (a Ready's facts, a step's counters,
+# the Prometheus text): 16 MiB. Data sockets (requests, plans, results, drafts, images, KV
+# blocks, snapshots) carry tensor frames; their largest legitimate frame is one of: a request's
+# or plan's body (every known token of up to max_num_seqs requests: 256 x 128k tokens x <= 5
+# bytes of msgpack = 160 MiB), a request's pixels (max_images_per_request x 3 x side^2 x 4 bytes:
+# 48 MiB per 2048 x 2048 image) or image features (tokens x hidden x 4 bytes: 128 MiB per
+# image at 4096 tokens x 8192), one KV block (layers x 2 x block_size x kv_heads x head_dim x
+# 4 bytes: 16 MiB at 128 layers x 16 x 16 x 128), a snapshot tensor (2048 positions' logits
+# over a 128k vocabulary in float32: 1 GiB). Default: max(1 GiB, 128 MiB x max_images_per_request);
+# `EngineConfig.max_bus_message_bytes` overrides it.
+SMALL_MESSAGE_BYTES = 16 * 2**20
+DATA_MESSAGE_BYTES = 2**30
+PER_IMAGE_BYTES = 128 * 2**20
+
+
+def data_message_bytes(config: Any) -> int:
+    """The frame-size limit of the data sockets for this engine configuration."""
+    override = int(getattr(config, "max_bus_message_bytes", 0) or 0)
+    if override > 0:
+        return override
+    return max(DATA_MESSAGE_BYTES, PER_IMAGE_BYTES * int(getattr(config, "max_images_per_request", 0) or 0))
+
+
+def bus_socket(ctx: zmq.Context, kind: int, max_bytes: int = DATA_MESSAGE_BYTES) -> Any:
+    """Every bus socket is made here: a new socket of `kind` that drops frames over `max_bytes`."""
+    s = ctx.socket(kind)
+    s.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    return s
+
 
 def supervisor_name(identity: bytes) -> str:
     """The actor a control-socket identity belongs to (its heartbeat thread included)."""
@@ -58,10 +89,11 @@ class Actor:
             structlog.contextvars.bind_contextvars(rank=spec.rank)
         self.stopping = asyncio.Event()
         self.configured: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._control = self.socket(zmq.DEALER, self.addresses.control, identity=self.name.encode())
+        self._control = self.socket(zmq.DEALER, self.addresses.control, identity=self.name.encode(),
+                                    max_bytes=SMALL_MESSAGE_BYTES)
         self._stats_sock: zmq.Socket | None = None  # sync socket: NOBLOCK sends return at once
         if self.addresses.stats:
-            self._stats_sock = zmq.Context.shadow(self.ctx.underlying).socket(zmq.PUSH)
+            self._stats_sock = bus_socket(zmq.Context.shadow(self.ctx.underlying), zmq.PUSH, SMALL_MESSAGE_BYTES)
             self._stats_sock.setsockopt(zmq.LINGER, 0)
             self._stats_sock.setsockopt(zmq.SNDHWM, 10_000)
             self._stats_sock.connect(self.addresses.stats)
@@ -86,9 +118,12 @@ class Actor:
     # ------------------------------------------------------------------ helpers
 
     def socket(
-        self, kind: int, address: str, *, bind: bool = False, identity: bytes | None = None
+        self, kind: int, address: str, *, bind: bool = False, identity: bytes | None = None,
+        max_bytes: int | None = None,
     ) -> zmq.asyncio.Socket:
-        s = self.ctx.socket(kind)
+        """A bus socket bound or connected to `address`; `max_bytes`: its frame-size limit
+        (default: the data sockets', `data_message_bytes`)."""
+        s = bus_socket(self.ctx, kind, max_bytes or data_message_bytes(self.config))
         s.setsockopt(zmq.LINGER, 2000)  # a final message (e.g. "dead") still leaves on close
         if identity is not None:
             s.setsockopt(zmq.IDENTITY, identity)
@@ -114,9 +149,17 @@ class Actor:
             try:
                 msg, _ = codec.decode(frames)
             except DecodeError as e:
-                self.log.warning("bad_message", what=what, sender=sender.decode(errors="replace"), error=str(e))
+                self.dropped(what, e, sender=sender.decode(errors="replace"))
                 continue
             yield (msg, frames, sender) if routed else (msg, frames)
+
+    def dropped(self, what: str, error: Any, **kw: Any) -> None:
+        """Log a message dropped as junk; `what` names the socket. Rate-limited per socket (each
+        of the first 10, then every 100th) so that a flood of junk cannot flood the log."""
+        counts = self.__dict__.setdefault("_junk", {})
+        n = counts[what] = counts.get(what, 0) + 1
+        if n <= 10 or n % 100 == 0:
+            self.log.warning("bad_message", what=what, error=str(error)[:300], dropped=n, **kw)
 
     def publish(self, event: Any) -> None:
         """Send a stats event without ever waiting: under back-pressure it is dropped, counted."""
@@ -220,7 +263,7 @@ class Actor:
 
     def _beat_in_thread(self, stop: threading.Event) -> None:
         """Heartbeats on a socket of this thread (zmq sockets are single-threaded)."""
-        sock = zmq.Context.shadow(self.ctx.underlying).socket(zmq.DEALER)
+        sock = bus_socket(zmq.Context.shadow(self.ctx.underlying), zmq.DEALER, SMALL_MESSAGE_BYTES)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, (self.name + HEARTBEAT_SUFFIX).encode())
         sock.connect(self.addresses.control)

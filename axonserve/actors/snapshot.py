@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from axonserve.actors.runtime import Actor
+from axonserve.actors.runtime import Actor, bus_socket, data_message_bytes
 from axonserve.protocol import Codec, DecodeError, tensor_from_frame
 from axonserve.protocol.messages import SnapshotRecord
 
@@ -43,7 +43,7 @@ class SnapshotSink(Actor):
     async def setup(self) -> dict[str, Any]:
         self.dir = os.path.abspath(self.config.snapshot_dir or "axonserve-snapshots")
         os.makedirs(self.dir, exist_ok=True)
-        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull = bus_socket(self.ctx, zmq.PULL, data_message_bytes(self.config))
         self.pull.setsockopt(zmq.RCVHWM, QUEUE)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.bind(self.addresses.snapshot)
@@ -78,8 +78,8 @@ class SnapshotSink(Actor):
             for frames in batch:
                 try:
                     self._write_record(frames)
-                except (DecodeError, OSError, ValueError) as e:
-                    self.log.warning("snapshot.bad_record", error=str(e))
+                except (DecodeError, OSError, ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
+                    self.dropped("snapshot record", e)
             self._write_index()
 
     def _write_record(self, frames: list[Any]) -> None:

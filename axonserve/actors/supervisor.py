@@ -26,7 +26,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from axonserve.actors.runtime import supervisor_name
+from axonserve.actors.runtime import SMALL_MESSAGE_BYTES, bus_socket, supervisor_name
 from axonserve.config import ActorSpec, Addresses, EngineConfig
 from axonserve.protocol import Codec, Control, DecodeError
 from axonserve.protocol.messages import (
@@ -41,6 +41,8 @@ from axonserve.protocol.messages import (
 log = structlog.get_logger()
 _codec = Codec(Control)
 IMAGE_INFO = ("image_token_id", "image_tokens", "image_size", "hidden_size")
+RUN_DIR_ENV = "AXONSERVE_RUN_DIR"  # where the run directory (the ipc:// bus sockets) is made; default: $TMPDIR
+SECRET_ENV = ("AXONSERVE_API_KEY", "VLLM_API_KEY")  # only the frontend, which checks it, inherits these
 
 
 class StartupError(RuntimeError):
@@ -73,7 +75,8 @@ class Supervisor:
         self.config = config
         self.with_frontend = frontend and not workers_only
         self.workers_only = workers_only
-        self.run_dir = tempfile.mkdtemp(prefix="axonserve-")
+        # 0700 (mkdtemp): other local users cannot reach the ipc:// sockets inside
+        self.run_dir = tempfile.mkdtemp(prefix="axonserve-", dir=os.environ.get(RUN_DIR_ENV) or None)
         dist_port = 0
         while config.num_workers > 1 and dist_port in (0, config.port):  # not the HTTP port
             dist_port = free_port()
@@ -88,6 +91,7 @@ class Supervisor:
         self._configured: set[str] = set()  # schedulers sent their Configure
         self._stopped = False
         self._tasks: list[asyncio.Task] = []
+        self._junk = 0  # undecodable control messages dropped
 
     # ------------------------------------------------------------------ start
 
@@ -98,7 +102,7 @@ class Supervisor:
             raise StartupError("--role decode needs one worker rank per pool and no bucketing: moving "
                                "tensor-parallel shards or bucketed steps' KV is not implemented")
         self.ctx = zmq.asyncio.Context()
-        self.control = self.ctx.socket(zmq.ROUTER)
+        self.control = bus_socket(self.ctx, zmq.ROUTER, SMALL_MESSAGE_BYTES)
         self.control.setsockopt(zmq.LINGER, 0)
         self.control.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.control.bind(self.addresses.control)
@@ -176,7 +180,12 @@ class Supervisor:
         return dict(s.info) if s else {}
 
     def _spawn(self, spec: ActorSpec) -> subprocess.Popen:
+        """The spec (config and addresses, never a secret: the API key is not in EngineConfig)
+        goes on argv; the environment is inherited, the API key by the frontend only."""
         env = dict(os.environ, AXONSERVE_PARENT_PID=str(os.getpid()))
+        if spec.kind != "frontend":
+            for name in SECRET_ENV:
+                env.pop(name, None)
         cmd = [sys.executable, "-m", "axonserve.actors.entry", msgspec.json.encode(spec).decode()]
         return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
 
@@ -199,7 +208,9 @@ class Supervisor:
             try:
                 msg, _ = _codec.decode(frames[1:])
             except DecodeError as e:
-                log.warning("bad_control_message", sender=name, error=str(e))
+                self._junk += 1
+                if self._junk <= 10 or self._junk % 100 == 0:  # a flood of junk must not flood the log
+                    log.warning("bad_control_message", sender=name, error=str(e)[:300], dropped=self._junk)
                 continue
             child = self.children.get(name)
             if child is None:

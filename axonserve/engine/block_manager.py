@@ -2,7 +2,10 @@
 
 Blocks hold `block_size` token slots. A full block is named by a chained hash of (parent
 block's hash, its token ids, extra keys such as image hashes), so equal prefixes map to
-equal hash chains. A new request reuses every leading block already cached (refcounted,
+equal hash chains. The hash is keyed BLAKE2b (128 bits) over a canonical msgpack encoding,
+with a random key per block manager (per engine): a client cannot craft a prompt whose
+blocks collide with another request's and read its KV (vLLM's CVE-2025-25183 was Python's
+`hash()` here). Hashes are only compared within one scheduler; nothing else relies on them. A new request reuses every leading block already cached (refcounted,
 shared read-only) and computes only the rest. Freed blocks keep their hash and stay
 findable in an LRU free list until the pool needs them (lazy eviction), so a finished
 conversation's prefix is still a hit for the next turn. Block tables are append-only.
@@ -10,19 +13,28 @@ conversation's prefix is still a hit for the next turn. Block tables are append-
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections import OrderedDict
+
+import msgspec
 
 from axonserve.engine.request import Request
 
+_encode = msgspec.msgpack.Encoder().encode
+
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_key: bytes | None = None):
+        """hash_key: the prefix-hash key (default: 32 random bytes, fresh per instance)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # hash -> block id (full, computed blocks)
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # hash -> block id (full, computed blocks)
+        self._hash_key = os.urandom(32) if hash_key is None else hash_key
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
 
     @property
@@ -40,11 +52,12 @@ class BlockManager:
 
     def update_hashes(self, req: Request) -> None:
         """Extend `req.block_hashes` over every full block of its known tokens."""
-        bs, hashes, toks = self.block_size, req.block_hashes, req.token_ids
+        bs, hashes, toks, key = self.block_size, req.block_hashes, req.token_ids, self._hash_key
         while (len(hashes) + 1) * bs <= len(toks):
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash((parent, tuple(toks[i * bs : (i + 1) * bs]), req.extra_keys)))
+            data = _encode((parent, toks[i * bs : (i + 1) * bs], req.extra_keys))
+            hashes.append(hashlib.blake2b(data, digest_size=16, key=key).digest())
 
     # ------------------------------------------------------------------ allocation
 

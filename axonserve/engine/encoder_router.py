@@ -100,12 +100,20 @@ class EncoderRouter(Actor):
         expiry = asyncio.create_task(self._expire_loop(), name="expire")
         try:
             async for msg, frames, ident in self.messages(self.sock, _codec, "router", routed=True):
-                if isinstance(msg, EncodeImages):
-                    await self._on_request(msg, frames)
-                elif isinstance(msg, ImagesEncoded):
-                    await self._on_encoded(ident, msg, frames)
-                elif isinstance(msg, Hello):
-                    await self._on_hello(ident)
+                # each message only from the peer that sends it: jobs from the scheduler, features
+                # and hellos from an encoder of this engine; anything else is junk
+                sender = ident.decode(errors="replace")
+                try:
+                    if isinstance(msg, EncodeImages) and ident == SCHEDULER:
+                        await self._on_request(msg, frames)
+                    elif isinstance(msg, ImagesEncoded) and ident in self.expected:
+                        await self._on_encoded(ident, msg, frames)
+                    elif isinstance(msg, Hello) and ident in self.expected:
+                        await self._on_hello(ident)
+                    else:
+                        self.dropped("router", f"unexpected {type(msg).__name__}", sender=sender)
+                except (ValueError, TypeError, IndexError, KeyError) as e:  # well-formed, impossible values
+                    self.dropped("router", f"{type(e).__name__}: {e}", sender=sender)
         finally:
             expiry.cancel()
 
@@ -114,7 +122,7 @@ class EncoderRouter(Actor):
     async def _on_request(self, msg: EncodeImages, frames: list) -> None:
         buf = ref_frame(msg.pixel_values, frames)
         n = len(msg.hashes)
-        if isinstance(buf, str) or not n or msg.pixel_values.shape[0] != n:
+        if isinstance(buf, str) or not n or msg.pixel_values.shape[:1] != [n]:
             why = buf if isinstance(buf, str) else "one row per image expected"
             await self._reply_error(msg.request_id, f"bad pixel values: {why}", 400)
             return

@@ -95,7 +95,7 @@ class Request:
         self.stop_reason: int | None = None
         self.sent_to_worker = False  # the worker holds state for it (cleared on preemption)
         self.num_blocks_sent = 0  # block ids the worker already has
-        self.block_hashes: list[int] = []  # chained hashes of full blocks of token_ids
+        self.block_hashes: list[bytes] = []  # chained (keyed) hashes of full blocks of token_ids
         self.num_cached_blocks = 0  # leading blocks published to the prefix cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.prompt_logprobs: list[TokenLogprobs] = []  # prompt_logprobs: entries for tokens 1..

@@ -19,7 +19,7 @@ import msgspec
 import zmq
 
 from axonserve import __version__
-from axonserve.actors.runtime import Actor
+from axonserve.actors.runtime import Actor, bus_socket, data_message_bytes
 from axonserve.engine.buckets import BucketConfig
 from axonserve.engine.disagg import PrefillPool, attach_kv, exported_kv
 from axonserve.engine.images import ImageSpec, check_images, ref_frame
@@ -69,7 +69,7 @@ class SchedulerActor(Actor):
         a = self.addresses
         self.router = self.socket(zmq.ROUTER, a.engine, bind=True)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.pub = self.ctx.socket(zmq.XPUB)
+        self.pub = bus_socket(self.ctx, zmq.XPUB, data_message_bytes(self.config))
         self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every rank's subscription, not just the first
         self.pub.setsockopt(zmq.SNDHWM, 0)
         self.pub.setsockopt(zmq.LINGER, 2000)
@@ -120,17 +120,20 @@ class SchedulerActor(Actor):
             vocab_size=self.sched.cfg.vocab_size,
             version=__version__,
             task=self.task,
+            limits=self.config.limits,
         )
         self.clients: set[bytes] = set()
         self.num_rejected_overload = 0
         self._last_counters = (0,) * 8
         self._last_per_pos: list[int] = []
         self._owner: dict[str, bytes] = {}  # request id -> client identity
+        self._deadlines: dict[str, float] = {}  # request id -> monotonic deadline (--request-timeout)
         self.pooled_rows: dict[str, memoryview] = {}  # the last result's vectors, by request id
         self._dead = asyncio.Event()
         self._work = asyncio.Event()
         self._profile_q: deque[tuple[bytes, str]] = deque()  # (client, start|stop), run between steps
         self._profile_seq = 0
+        self._profiling = False
         # vision-language models: image checks; with an encoder pool, requests wait here for
         # their features (request id -> request) before they join the queue
         self.image_spec = ImageSpec.from_info(info)
@@ -161,6 +164,8 @@ class SchedulerActor(Actor):
             tasks.append(asyncio.create_task(self._encoded_loop(), name="encoded"))
         if self.prefill is not None:
             tasks.append(asyncio.create_task(self.prefill.run(), name="prefilled"))
+        if self.config.request_timeout_s:
+            tasks.append(asyncio.create_task(self._expire_loop(), name="deadlines"))
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for t in done:
@@ -178,7 +183,7 @@ class SchedulerActor(Actor):
             try:
                 msg, _ = _client_codec.decode(frames[1:])
             except DecodeError as e:
-                self.log.warning("bad_client_message", error=str(e))
+                self.dropped("client message", e, sender=ident.decode(errors="replace"))
                 continue
             self.clients.add(ident)
             if isinstance(msg, AddRequest):
@@ -193,20 +198,31 @@ class SchedulerActor(Actor):
             elif isinstance(msg, GetStats):
                 await self._send(ident, self._engine_stats())
             elif isinstance(msg, (StartProfile, StopProfile)):
-                action = "start" if isinstance(msg, StartProfile) else "stop"
-                if not self.config.profile_dir:
-                    await self._send(ident, ProfileStatus(action, code=400, error=(
-                        "profiling is disabled: start the server with --profile-dir DIR "
-                        "(or VLLM_TORCH_PROFILER_DIR)")))
-                elif self.dead_reason is not None:
-                    await self._send(ident, ProfileStatus(action, code=503, error=f"engine is dead: {self.dead_reason}"))
-                else:
-                    self._profile_q.append((ident, action))
-                    self._work.set()
+                await self._profile_command(ident, "start" if isinstance(msg, StartProfile) else "stop")
             elif isinstance(msg, GetEngineInfo):
                 await self._send(ident, self.engine_info)
                 if self.dead_reason is not None:
                     await self._send(ident, EngineDead(self.dead_reason))
+
+    async def _profile_command(self, ident: bytes, action: str) -> None:
+        """Queue a profiler start/stop for the step loop, or refuse it at once (409) when it
+        cannot apply: one command at a time, no start while profiling, no stop while not."""
+        refuse: tuple[int, str] | None = None
+        if not self.config.profile_dir:
+            refuse = 400, "profiling is disabled: start the server with --profile-dir DIR"
+        elif self.dead_reason is not None:
+            refuse = 503, f"engine is dead: {self.dead_reason}"
+        elif self._profile_q:
+            refuse = 409, "a profiler command is already in progress"
+        elif action == "start" and self._profiling:
+            refuse = 409, "the profiler is already running"
+        elif action == "stop" and not self._profiling:
+            refuse = 409, "the profiler is not running"
+        if refuse is not None:
+            await self._send(ident, ProfileStatus(action, code=refuse[0], error=refuse[1]))
+            return
+        self._profile_q.append((ident, action))
+        self._work.set()
 
     async def _add(self, ident: bytes, msg: AddRequest, frames: list) -> None:
         def reject(why: str, code: int = 400) -> RequestDelta:
@@ -216,13 +232,13 @@ class SchedulerActor(Actor):
         if self.dead_reason is not None:
             await self._send(ident, Outputs([reject(f"engine is dead: {self.dead_reason}", 503)]))
             return
-        limit = self.config.max_waiting
-        if limit and len(self.sched.waiting) >= limit:
+        overload = self._overloaded(len(msg.prompt_token_ids))
+        if overload is not None:
             self.num_rejected_overload += 1
-            await self._send(ident, Outputs([reject(
-                f"server overloaded: {limit} requests already waiting; retry later", 503)]))
+            await self._send(ident, Outputs([reject(f"server overloaded: {overload}; retry later", 503)]))
             return
         try:
+            msg.params.check_limits(self.config.limits)
             msg.params.validate()
         except ParamError as e:
             await self._send(ident, Outputs([reject(str(e))]))
@@ -248,6 +264,8 @@ class SchedulerActor(Actor):
             await self._send(ident, Outputs([reject(why)]))
             return
         self._owner[req.request_id] = ident
+        if self.config.request_timeout_s:
+            self._deadlines[req.request_id] = time.monotonic() + self.config.request_timeout_s
         if req.mm is not None:
             self.mm_images += len(req.mm.hashes)
             if self.encoder_router is not None and req.mm.pixel_values is not None:  # the encoder pool encodes
@@ -258,6 +276,40 @@ class SchedulerActor(Actor):
                     Codec.encode(EncodeImages(req.request_id, req.mm.hashes, ref), [pixels]), copy=False)
                 return
         await self._queue(req)
+
+    def _overloaded(self, prompt_tokens: int) -> str | None:
+        """Why the waiting queue cannot take a request of `prompt_tokens` (None: it can). Queued
+        prompt tokens count too: a few huge prompts hold the queue as long as many small ones."""
+        cfg, waiting = self.config, self.sched.waiting
+        if cfg.max_waiting and len(waiting) >= cfg.max_waiting:
+            return f"{cfg.max_waiting} requests already waiting"
+        if cfg.max_waiting_tokens and waiting:
+            queued = sum(r.num_prompt_tokens for r in waiting)
+            if queued + prompt_tokens > cfg.max_waiting_tokens:
+                return f"{queued} prompt tokens already waiting (limit {cfg.max_waiting_tokens})"
+        return None
+
+    async def _expire_loop(self) -> None:
+        """--request-timeout: a request past its deadline ends with an error (HTTP 408) and frees
+        its KV blocks, whether it waits, runs or is being encoded."""
+        timeout = self.config.request_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            now = time.monotonic()
+            late = [rid for rid, t in self._deadlines.items() if t < now]
+            if not late:
+                continue
+            gone = self.sched.abort(late) + [r for rid in late if (r := self.encoding.pop(rid, None)) is not None]
+            if self.prefill is not None:
+                gone += await self.prefill.abort(late)
+            for rid in late:
+                self._deadlines.pop(rid, None)
+            if gone:
+                self.log.warning("request.timeout", request_ids=[r.request_id for r in gone], timeout_s=timeout)
+                await self._send_deltas([RequestDelta(r.request_id, finish_reason="error", error_code=408,
+                                                      error=f"request exceeded the server's request timeout "
+                                                            f"({timeout:g} s)",
+                                                      num_prompt_tokens=r.num_prompt_tokens) for r in gone])
 
     async def _queue(self, req: Request) -> None:
         """Into the scheduler's waiting queue: it runs from the next step on (P/D decode: once
@@ -439,13 +491,16 @@ class SchedulerActor(Actor):
         self._profile_seq += 1
         cmd = ProfileCommand(action, self._profile_seq, stamp=time.time_ns())
         await self.pub.send_multipart(Codec.encode(cmd), copy=False)
-        ack = await self._await_reply(f"profiler {action} #{cmd.seq}", PROFILE_TIMEOUT_S)
+        ack = await self._await_reply(f"profiler {action} #{cmd.seq}", PROFILE_TIMEOUT_S, lambda r: (
+            None if isinstance(r, ProfileAck) and r.seq == cmd.seq else f"not the ack of profiler command #{cmd.seq}"))
         if ack is None:
             return
         if not isinstance(ack, ProfileAck) or ack.seq != cmd.seq:
             await self._fail(f"profiler reply out of order (expected ack #{cmd.seq})")
             return
         self.log.info("profiler", action=action, error=ack.error, files=ack.files)
+        if ack.code == 0:
+            self._profiling = action == "start"
         await self._send(ident, ProfileStatus(action, error=ack.error, code=ack.code, files=ack.files))
 
     def _publish_step(self, plan: StepPlan, result: StepResult, sched_s: float, rt_s: float,
@@ -481,50 +536,57 @@ class SchedulerActor(Actor):
             self.publish(ev)
         s.finished_stats = []
 
-    async def _await_reply(self, what: str, timeout: float) -> StepResult | ProfileAck | None:
-        """Rank 0's next reply; None (engine failed) on timeout, death or junk."""
-        reply = await self._recv(self.pull, _result_codec, what, timeout)
-        self.pooled_rows, self.kv_rows = {}, {}
-        if isinstance(reply, StepResult):
-            try:
-                self.pooled_rows = _pooled_rows(reply, self.result_frames)
-                self.kv_rows = exported_kv(reply, self.result_frames)
-            except DecodeError as e:
-                await self._fail(f"undecodable worker reply: {e}")
-                return None
-        return reply
+    async def _await_reply(self, what: str, timeout: float, want) -> StepResult | ProfileAck | None:
+        """Rank 0's reply that `want` (reply -> why it is not the one awaited, or None) accepts,
+        with its tensor frames checked; None (engine failed) on timeout or death. Anything else
+        on the result socket is junk: logged and dropped (anyone who can reach the socket can
+        send it), and the wait goes on."""
+        def accept(reply, frames) -> None:
+            why = want(reply)
+            if why is not None:
+                raise DecodeError(why)
+            if isinstance(reply, StepResult):
+                pooled, kv = _pooled_rows(reply, frames), exported_kv(reply, frames)
+                self.pooled_rows, self.kv_rows = pooled, kv
 
-    async def _recv(self, sock, codec: Codec, what: str, timeout: float):
-        """The next message on `sock` (its frames kept in `result_frames`); None (engine
-        failed) on timeout, death or junk."""
-        recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
-        dead = asyncio.ensure_future(self._dead.wait())
-        try:
-            done, _ = await asyncio.wait({recv, dead}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            dead.cancel()
+        self.pooled_rows, self.kv_rows = {}, {}
+        return await self._recv(self.pull, _result_codec, what, timeout, accept)
+
+    async def _recv(self, sock, codec: Codec, what: str, timeout: float, accept=None):
+        """The next message on `sock` that decodes (and that `accept(reply, frames)` does not
+        reject with a DecodeError); on the result socket its frames are kept in `result_frames`.
+        Junk is logged and dropped; None (engine failed) on timeout or death."""
+        deadline = time.monotonic() + timeout
         peer = "the drafter" if sock is not self.pull else "worker rank 0"
-        if recv not in done:
-            recv.cancel()
-            if not self._dead.is_set():
-                await self._fail(f"{peer} gave no reply for {what}")
-            return None
-        try:
+        while True:
+            recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
+            dead = asyncio.ensure_future(self._dead.wait())
+            try:
+                done, _ = await asyncio.wait({recv, dead}, timeout=max(0.0, deadline - time.monotonic()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                dead.cancel()
+            if recv not in done:
+                recv.cancel()
+                if not self._dead.is_set():
+                    await self._fail(f"{peer} gave no reply for {what}")
+                return None
             frames = recv.result()
-            reply, _ = codec.decode(frames)
-        except DecodeError as e:
-            await self._fail(f"undecodable reply from {peer}: {e}")
-            return None
-        if sock is self.pull:
-            self.result_frames = frames
-        return reply
+            try:
+                reply, _ = codec.decode(frames)
+                if accept is not None:
+                    accept(reply, frames)
+            except DecodeError as e:
+                self.dropped(f"{peer} reply", e, awaiting=what)
+                continue
+            if sock is self.pull:
+                self.result_frames = frames
+            return reply
 
     async def _await_result(self, plan: StepPlan) -> StepResult | None:
-        result = await self._await_reply(f"step {plan.step_id}", self.config.step_timeout_s)
+        result = await self._await_reply(f"step {plan.step_id}", self.config.step_timeout_s,
+                                         lambda r: _result_problem(plan, r))
         if result is None:
-            return None
-        if not isinstance(result, StepResult) or result.step_id != plan.step_id:
-            await self._fail(f"step result out of order (expected step {plan.step_id})")
             return None
         if result.error:
             await self._fail(f"worker error: {result.error}")
@@ -580,6 +642,8 @@ class SchedulerActor(Actor):
         for d in deltas:
             owner = self._owner
             ident = owner.pop(d.request_id, None) if d.finish_reason else owner.get(d.request_id)
+            if d.finish_reason:
+                self._deadlines.pop(d.request_id, None)
             if ident is not None:
                 by_client[ident].append(d)
         now = time.time()
@@ -598,6 +662,23 @@ class SchedulerActor(Actor):
                 if d.request_id in self.kv_rows:  # P/D prefill: the prompt's KV rides along
                     attach_kv(d, self.kv_rows.pop(d.request_id), frames)
             await self._send(ident, Outputs(ds, now), frames)
+
+
+def _result_problem(plan: StepPlan, r: object) -> str | None:
+    """Why `r` is not a well-formed result of `plan` (junk on the result socket), or None."""
+    if not isinstance(r, StepResult) or r.step_id != plan.step_id:
+        return f"not the result of step {plan.step_id}"
+    n = len(r.request_ids)
+    counts = r.num_sampled or [1] * n
+    if len(counts) != n or min(counts, default=1) < 1 or sum(counts) != len(r.sampled_token_ids):
+        return "sampled tokens do not match the request ids"
+    if (r.logprobs is not None and len(r.logprobs) != n) or len(r.draft_token_ids) != len(r.draft_request_ids) \
+            or (r.draft_parents and len(r.draft_parents) != len(r.draft_request_ids)):
+        return "per-request lists of different lengths"
+    planned = {x.request_id for x in plan.new} | {x.request_id for x in plan.cached}
+    if not planned.issuperset(r.request_ids) or not planned.issuperset(r.pooled_request_ids):
+        return "ids of requests the step did not schedule"
+    return None
 
 
 def _pooled_rows(result: StepResult, frames: list) -> dict[str, memoryview]:

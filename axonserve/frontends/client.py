@@ -25,6 +25,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from axonserve.actors.runtime import bus_socket
 from axonserve.frontends.detokenizer import IncrementalDetokenizer
 from axonserve.frontends.multimodal import PromptImages
 from axonserve.frontends.tokenizer import Tokenizer
@@ -171,7 +172,7 @@ class AsyncEngineClient:
         early = asyncio.ensure_future(asyncio.to_thread(Tokenizer.load, model_hint)) \
             if tokenizer is None and model_hint else None
         ctx = ctx or zmq.asyncio.Context()
-        sock = ctx.socket(zmq.DEALER)
+        sock = bus_socket(ctx, zmq.DEALER)  # frames over the bus limit are refused
         sock.setsockopt(zmq.IDENTITY, b"c-" + uuid.uuid4().hex[:12].encode())
         sock.setsockopt(zmq.LINGER, 1000)  # let final aborts leave on close
         sock.setsockopt(zmq.SNDHWM, 0)
@@ -232,14 +233,13 @@ class AsyncEngineClient:
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         request_id = request_id or uuid.uuid4().hex
         subs = self._fan_out(prompt_ids, params)
-        self._refuse_in_flight(request_id, _engine_ids(request_id, len(subs)))
+        self._refuse_in_flight(request_id)
         return self._stream(request_id, prompt_ids, subs, images)
 
-    def _refuse_in_flight(self, request_id: str, engine_ids: list[str]) -> None:
-        """A client-chosen id (the API's `request_id`) may not name a request in flight, nor an id
-        the scheduler already holds for one (`x-0` is choice 0 of `x` with n>1): their outputs and
-        aborts would reach the wrong request."""
-        if request_id in self._requests or any(e in self._routes for e in engine_ids):
+    def _refuse_in_flight(self, request_id: str) -> None:
+        """A client-chosen id (the API's `request_id`) may not name a request in flight here: its
+        abort(request_id) would be ambiguous. (The engine never sees it alone: `_engine_ids`.)"""
+        if request_id in self._requests:
             raise ParamError("request_id", f"request id {request_id!r} is already in flight")
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
@@ -247,6 +247,7 @@ class AsyncEngineClient:
         self.require_task("generate", "Completions API")
         if not 1 <= params.n <= MAX_N:
             raise ParamError("n", f"n must be in [1, {MAX_N}]")
+        params.check_limits(self.info.limits)  # sizes first: validate() compiles a grammar
         one = msgspec.structs.replace(params, n=1).validate()
         num, limit = len(prompt_ids), self.info.max_model_len
         self._check_ids(prompt_ids, "prompt")
@@ -305,14 +306,15 @@ class AsyncEngineClient:
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_embed(prompt_ids)
         request_id = request_id or uuid.uuid4().hex
-        self._refuse_in_flight(request_id, [request_id])
+        self._refuse_in_flight(request_id)
+        engine_id = _engine_ids(request_id, 1)[0]
         req = _Request()
-        self._requests[request_id] = self._routes[request_id] = req
+        self._requests[request_id] = self._routes[engine_id] = req
         try:
-            await self._send(AddRequest(request_id, prompt_ids, SamplingParams(max_tokens=1),
+            await self._send(AddRequest(engine_id, prompt_ids, SamplingParams(max_tokens=1),
                                         arrival_time=time.time(), pooling=pooling or PoolingParams()))
             delta = await req.queue.get()
-            vec = req.vectors.pop(request_id, None)
+            vec = req.vectors.pop(engine_id, None)
             if delta.finish_reason == "error" and self.dead:
                 raise EngineDeadError(self.dead_reason or delta.error or "engine is dead")
             if delta.finish_reason in ("error", "abort") or vec is None:
@@ -321,8 +323,8 @@ class AsyncEngineClient:
             return EmbeddingOutput(request_id, vec, delta.num_prompt_tokens or len(prompt_ids))
         finally:
             self._requests.pop(request_id, None)
-            if self._routes.pop(request_id, None) is not None and not self.dead:
-                self._send_nowait(AbortRequest([request_id]))
+            if self._routes.pop(engine_id, None) is not None and not self.dead:
+                self._send_nowait(AbortRequest([engine_id]))
 
     def _fan_out(self, prompt_ids: list[int], params: SamplingParams) -> list[SamplingParams]:
         one = self.validate(prompt_ids, params)
@@ -401,7 +403,7 @@ class AsyncEngineClient:
             req.choices[cid] = _Choice(cid, i, detok)
         if self.dead:  # died between generate() and the first iteration
             raise EngineDeadError(self.dead_reason or "engine is dead")
-        self._refuse_in_flight(request_id, list(req.choices))  # one generate() of two may start first
+        self._refuse_in_flight(request_id)  # one generate() of two may start first
         self._requests[request_id] = req
         self._routes.update((cid, req) for cid in req.choices)
         now = time.time()
@@ -517,8 +519,11 @@ class AsyncEngineClient:
 
 
 def _engine_ids(request_id: str, n: int) -> list[str]:
-    """The scheduler's ids for a request's n choices."""
-    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+    """Fresh scheduler ids for a request's n choices: the caller's id (for logs) plus a random
+    tag, so an id reused right after an abort never receives the old request's late outputs or
+    final abort, and two clients choosing the same id never share a request on the engine."""
+    base = f"{request_id}@{uuid.uuid4().hex[:12]}"
+    return [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
 
 
 def _keep_vector(req: _Request, delta: RequestDelta, frames: list) -> RequestDelta:

@@ -8,9 +8,13 @@ worker actor reports itself failed instead of answering the step.
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import socket
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 import structlog
 import torch
@@ -50,11 +54,59 @@ def init_tensor_parallel(
     if size > 1 and not dist.is_initialized():
         if not init_method:
             raise ValueError("tensor parallelism needs an init_method (tcp://host:port) for torch.distributed")
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
-        log.info("tp.joined", rank=rank, size=size)
+        init_process_group(rank, size, init_method)
     if size > 1 and timeout_s:
         set_collective_timeout(timeout_s)
     TPInfo.rank, TPInfo.size, TPInfo.expert_parallel = rank, size, expert_parallel
+
+
+def init_process_group(rank: int, size: int, init_method: str) -> None:
+    """Join the gloo group whose rendezvous is `init_method` (tcp://host:port), listening only
+    on `host`'s address: torch's own TCPStore server listens on every interface whatever host
+    it is given, and gloo on the address the machine's hostname resolves to. Here rank 0 binds
+    the store's socket itself (to host, and hands it to the TCPStore), and with a loopback host
+    gloo is pinned to the loopback interface (GLOO_SOCKET_IFNAME, unless already set): nothing
+    off the machine can reach either. A multi-host group names a routable host in init_method
+    (and the interface in GLOO_SOCKET_IFNAME)."""
+    url = urlsplit(init_method)
+    if url.scheme != "tcp" or not url.hostname or not url.port:
+        raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
+    host, port = url.hostname, url.port
+    if _is_loopback(host):
+        lo = _loopback_interface()
+        if lo and not os.environ.get("GLOO_SOCKET_IFNAME"):
+            os.environ["GLOO_SOCKET_IFNAME"] = lo
+    timeout = dist.default_pg_timeout  # the rendezvous: ranks may start far apart under load
+    if rank == 0:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(max(128, size))
+        except OSError:
+            sock.close()
+            raise
+        store = dist.TCPStore(host, port, size, True, timeout=timeout, master_listen_fd=sock.detach())
+    else:
+        store = dist.TCPStore(host, port, size, False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+    log.info("tp.joined", rank=rank, size=size, host=host)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _loopback_interface() -> str | None:
+    """The loopback interface's name ("lo" on Linux), if the machine has one by that name."""
+    names = {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
+    return next((n for n in ("lo", "lo0") if n in names), None)
 
 
 def set_collective_timeout(seconds: float) -> None:

@@ -5,6 +5,11 @@ named like `torch.profiler.tensorboard_trace_handler` names them
 (`rank<R>.<time_ns>.pt.trace.json`), so the same file opens in Perfetto/chrome://tracing and in
 TensorBoard's profiler plugin. Each engine step is a `step <id>` range in the trace.
 
+Traces are bounded on disk: recording stops by itself after `max_steps` steps (a trace grows with
+the steps it holds), and each rank keeps only its newest `max_traces` traces. Writing a trace
+happens on a thread (to a temporary name, renamed when complete), so a slow export never holds
+up the step loop or the scheduler's wait for the stop acknowledgement.
+
 On Neuron (model on an XLA device and `torch_neuronx` importable) the Neuron profiler runs
 alongside, writing into `<dir>/neuron/rank<R>/` for the Neuron TensorBoard plugin; the
 import is lazy, so CPU machines never need torch_neuronx.
@@ -13,7 +18,9 @@ import is lazy, so CPU machines never need torch_neuronx.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import threading
 import time
 from typing import Any
 
@@ -30,10 +37,15 @@ class ProfilerStateError(RuntimeError):
 
 
 class RankProfiler:
-    def __init__(self, out_dir: str, rank: int, device_type: str = "cpu"):
+    def __init__(self, out_dir: str, rank: int, device_type: str = "cpu", max_steps: int = 200,
+                 max_traces: int = 16):
         self.dir, self.rank, self.device_type = os.path.abspath(out_dir), rank, device_type
+        self.max_steps, self.max_traces = max_steps, max_traces
         self._prof: torch.profiler.profile | None = None
+        self._recording = False  # False after max_steps: the trace is held until stop
+        self._steps = 0
         self._neuron: Any = None
+        self._exports: list[threading.Thread] = []
 
     @property
     def active(self) -> bool:
@@ -46,7 +58,7 @@ class RankProfiler:
         prof = torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True, with_stack=False)
         prof.start()
-        self._prof = prof
+        self._prof, self._recording, self._steps = prof, True, 0
         self._neuron = self._start_neuron()
         log.info("profiler.started", dir=self.dir, neuron=self._neuron is not None)
 
@@ -54,8 +66,9 @@ class RankProfiler:
         return os.path.join(self.dir, f"rank{rank}.{stamp}.pt.trace.json")
 
     def stop(self, stamp: int = 0) -> list[str]:
-        """Stop and write this rank's trace(s); returns the paths written. Ranks given the
-        same `stamp` name their files alike (default: now, in ns)."""
+        """Stop and write this rank's trace(s) on a thread; returns the paths they will have
+        (each appears, complete, when written). Ranks given the same `stamp` name their files
+        alike (default: now, in ns)."""
         prof, self._prof = self._prof, None
         if prof is None:
             raise ProfilerStateError("the profiler is not running")
@@ -67,16 +80,57 @@ class RankProfiler:
                 files.append(self._neuron_dir())
             except Exception as e:  # noqa: BLE001 - the torch trace still gets written
                 log.warning("profiler.neuron_stop_failed", error=repr(e))
-        prof.stop()
+        if self._recording:
+            prof.stop()
+        self._recording = False
         path = self.trace_path(self.rank, stamp or time.time_ns())
-        prof.export_chrome_trace(path)
+        self._exports = [t for t in self._exports if t.is_alive()]
+        t = threading.Thread(target=self._export, args=(prof, path), name=f"profile-export-{self.rank}", daemon=True)
+        t.start()
+        self._exports.append(t)
         files.insert(0, path)
-        log.info("profiler.stopped", files=files)
+        log.info("profiler.stopped", files=files, steps=self._steps)
         return files
 
+    def wait_exports(self, timeout: float | None = None) -> None:
+        """Let running trace exports finish (shutdown)."""
+        for t in self._exports:
+            t.join(timeout)
+
+    def _export(self, prof: torch.profiler.profile, path: str) -> None:
+        tmp = path + ".partial"
+        try:
+            t0 = time.perf_counter()
+            prof.export_chrome_trace(tmp)
+            os.replace(tmp, path)
+            log.info("profiler.exported", path=path, mb=round(os.path.getsize(path) / 2**20, 1),
+                     seconds=round(time.perf_counter() - t0, 2))
+        except Exception as e:  # noqa: BLE001 - a lost trace, never a lost engine
+            log.error("profiler.export_failed", path=path, error=repr(e))
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        self._prune()
+
+    def _prune(self) -> None:
+        """Keep this rank's newest `max_traces` traces."""
+        mine = glob.glob(os.path.join(self.dir, f"rank{self.rank}.*.pt.trace.json"))
+        mine.sort(key=lambda p: int(os.path.basename(p).split(".")[1]))
+        for old in mine[:-self.max_traces]:
+            with contextlib.suppress(OSError):
+                os.unlink(old)
+                log.info("profiler.pruned", path=old)
+
     def step_scope(self, step_id: int) -> contextlib.AbstractContextManager:
-        """A `step <id>` range in the trace while profiling; free otherwise."""
-        if self._prof is None:
+        """A `step <id>` range in the trace while profiling; free otherwise. After `max_steps`
+        steps the profiler stops recording (the trace waits for /stop_profile)."""
+        if not self._recording:
+            return contextlib.nullcontext()
+        self._steps += 1
+        if self._steps > self.max_steps:
+            assert self._prof is not None
+            self._prof.stop()
+            self._recording = False
+            log.warning("profiler.step_limit", steps=self.max_steps)
             return contextlib.nullcontext()
         return torch.profiler.record_function(f"step {step_id}")
 

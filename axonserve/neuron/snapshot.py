@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from axonserve.protocol import tensor_ref
-from axonserve.protocol.messages import SnapshotRecord
+from axonserve.protocol.messages import SnapshotRecord, caller_request_id
 
 if TYPE_CHECKING:  # torch is imported where used: parsing rules (the CLI) must not need it
     import torch
@@ -265,11 +265,12 @@ class StepSnapshots:
             self.capture.arm(torch.tensor(all_rows, dtype=torch.long))
 
     def _wants(self, request_id: str) -> bool:
+        """Rules name the caller's ids (`snap-1`, `snap-*`), not the engine's `snap-1@<tag>`."""
         hit = self._wanted.get(request_id)
         if hit is None:
             if len(self._wanted) > 65536:
                 self._wanted.clear()
-            hit = self._wanted[request_id] = self.rules.wants_request(request_id)
+            hit = self._wanted[request_id] = self.rules.wants_request(caller_request_id(request_id))
         return hit
 
     def add_logits(self, request_ids: Sequence[str], logits: torch.Tensor | None) -> None:
@@ -299,7 +300,7 @@ class StepSnapshots:
             tensors = [it.tensors[n] for n in names]
             refs = {n: tensor_ref(k + 1, t) for k, (n, t) in enumerate(zip(names, tensors))}  # frame 0: body
             self._pending.append((SnapshotRecord(
-                request_id=it.request_id, step=it.step, step_id=self._step_id, rank=self.rank,
+                request_id=caller_request_id(it.request_id), step=it.step, step_id=self._step_id, rank=self.rank,
                 tensors=refs, time=now,
             ), tensors))
         self._items = {}

@@ -18,7 +18,7 @@ import os
 
 import zmq
 
-from axonserve.actors.runtime import Actor
+from axonserve.actors.runtime import Actor, bus_socket, data_message_bytes
 from axonserve.neuron.heap import collapse_huge_pages, keep_heap
 from axonserve.protocol import Codec, DecodeError
 from axonserve.protocol.messages import ProfileAck, ProfileCommand, StepPlan
@@ -38,15 +38,10 @@ class WorkerActor(Actor):
         self.push = self.socket(zmq.PUSH, self.addresses.result) if self.rank == 0 else None
         world = self.config.num_workers
         if world > 1:
-            import torch.distributed as dist
+            from axonserve.neuron.parallel import init_process_group
 
-            await asyncio.to_thread(
-                dist.init_process_group,
-                "gloo",
-                init_method=self.addresses.dist_init,
-                rank=self.rank,
-                world_size=world,
-            )
+            # its TCPStore and gloo listen on dist_init's host only (the loopback by default)
+            await asyncio.to_thread(init_process_group, self.rank, world, self.addresses.dist_init)
         self.runner = await self._load_in_own_thread()
         r = self.runner
         r.warm_up()  # on this thread: the one whose heap arena and thread pool serve the steps
@@ -57,14 +52,16 @@ class WorkerActor(Actor):
         if self.config.profile_dir:
             from axonserve.neuron.profiler import RankProfiler, model_device_type
 
-            self.profiler = RankProfiler(self.config.profile_dir, self.rank, model_device_type(r.model))
+            self.profiler = RankProfiler(self.config.profile_dir, self.rank, model_device_type(r.model),
+                                         self.config.profile_max_steps, self.config.profile_max_traces)
         self.snap_sock: zmq.Socket | None = None
         self.snapshots_dropped = 0
         if r.snapshots is not None and self.addresses.snapshot:
             from axonserve.actors.snapshot import QUEUE
 
             # sync socket: NOBLOCK sends return at once (the stats socket's pattern)
-            self.snap_sock = zmq.Context.shadow(self.ctx.underlying).socket(zmq.PUSH)
+            self.snap_sock = bus_socket(zmq.Context.shadow(self.ctx.underlying), zmq.PUSH,
+                                        data_message_bytes(self.config))
             self.snap_sock.setsockopt(zmq.SNDHWM, QUEUE)
             self.snap_sock.setsockopt(zmq.LINGER, 2000)  # records of the last steps still leave
             self.snap_sock.connect(self.addresses.snapshot)
@@ -120,7 +117,7 @@ class WorkerActor(Actor):
             try:
                 plan, _ = _plan_codec.decode(frames)
             except DecodeError as e:
-                self.log.warning("bad_plan", error=str(e))
+                self.dropped("plan", e)
                 continue
             if isinstance(plan, ProfileCommand):
                 ack = self._profile(plan)
@@ -142,8 +139,10 @@ class WorkerActor(Actor):
         record without tensors), then close the snapshot socket (it lives on a shadow context
         the runtime does not track)."""
         profiler = getattr(self, "profiler", None)
-        if profiler is not None and profiler.active:
-            profiler.stop()
+        if profiler is not None:
+            if profiler.active:
+                profiler.stop()
+            profiler.wait_exports(30.0)
         if getattr(self, "snap_sock", None) is None:
             return
         from axonserve.protocol.messages import SnapshotRecord

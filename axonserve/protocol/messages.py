@@ -12,6 +12,7 @@ from typing import Union
 
 import msgspec
 
+from axonserve.config import RequestLimits
 from axonserve.protocol.codec import TensorRef
 
 
@@ -32,6 +33,14 @@ class StructuredOutputsParams(msgspec.Struct, array_like=True, omit_defaults=Tru
 
 
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+
+
+def caller_request_id(engine_id: str) -> str:
+    """The id the caller chose, from the engine's id for one of its choices: the client library
+    sends `<id>@<tag>` (`<id>@<tag>-<i>` for choice i of n), fresh per generation."""
+    base, _, rest = engine_id.partition("@")
+    choice = rest.partition("-")[2]
+    return f"{base}-{choice}" if choice else base
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True):
@@ -114,6 +123,20 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
             check(self.structured_outputs)
         return self
+
+    def check_limits(self, limits: RequestLimits) -> None:
+        """Raise ParamError naming the first parameter past the engine's size bounds."""
+        if len(self.stop) > limits.max_stop_strings:
+            raise ParamError("stop", f"at most {limits.max_stop_strings} stop strings are allowed")
+        if any(len(s) > limits.max_stop_string_chars for s in self.stop):
+            raise ParamError("stop", f"a stop string may have at most {limits.max_stop_string_chars} characters")
+        for name in ("logit_bias", "stop_token_ids"):
+            if len(getattr(self, name) or ()) > limits.max_logit_bias:
+                raise ParamError(name, f"{name} may have at most {limits.max_logit_bias} entries")
+        so = self.structured_outputs
+        if so is not None and len(so.spec.encode()) > limits.max_structured_output_bytes:
+            raise ParamError("structured_outputs", "the structured output constraint (schema, regex, grammar or "
+                                                   f"choices) is larger than {limits.max_structured_output_bytes} bytes")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ParamError naming the first token-id parameter with an id past the vocabulary
@@ -235,6 +258,7 @@ class EngineInfo(_Msg, tag=11):
     vocab_size: int
     version: str = ""
     task: str = "generate"  # generate | embed (pooling.resolve_task)
+    limits: RequestLimits = msgspec.field(default_factory=RequestLimits)  # what one request may ask
 
 
 class EngineStats(_Msg, tag=13):

@@ -53,7 +53,7 @@ class DrafterActor(Actor):
             try:
                 msg, _ = _codec.decode(frames[1:])
             except DecodeError as e:
-                self.log.error("drafter.bad_request", error=str(e))
+                self.dropped("draft request", e, sender=ident.decode(errors="replace"))
                 continue
             try:
                 for rid in msg.finished_request_ids:
@@ -62,7 +62,7 @@ class DrafterActor(Actor):
                 want = [(rid, d[:m]) for rid, d, m in zip(msg.request_ids, drafts, msg.num_drafts) if m > 0]
                 reply = DraftResult(msg.step_id, [r for r, _ in want], [d for _, d in want],
                                     propose_s=time.perf_counter() - t0)
-            except (ValueError, RuntimeError, IndexError) as e:  # this step goes without drafts
+            except Exception as e:  # noqa: BLE001 - (a malformed request too) this step goes without drafts
                 self.log.error("drafter.propose_failed", step_id=msg.step_id, error=repr(e))
                 for rid in msg.request_ids:  # their state may be half-updated
                     self.proposer.drop(rid)

@@ -97,10 +97,10 @@ async def test_streams_text_and_finishes(pair, tok):
     engine, client = pair
     task = asyncio.create_task(collect(client.generate("Hi", SamplingParams(max_tokens=10), "r1")))
     add = await engine.adds.get()
-    assert add.request_id == "r1" and add.prompt_token_ids == tok.encode("Hi")
+    assert add.request_id.startswith("r1@") and add.prompt_token_ids == tok.encode("Hi")
     toks = ids(tok, "Hello 😀 there")
-    await engine.deltas(RequestDelta("r1", toks[:2], num_prompt_tokens=1))
-    await engine.deltas(RequestDelta("r1", toks[2:], finish_reason="length", num_prompt_tokens=1))
+    await engine.deltas(RequestDelta(add.request_id, toks[:2], num_prompt_tokens=1))
+    await engine.deltas(RequestDelta(add.request_id, toks[2:], finish_reason="length", num_prompt_tokens=1))
     outs = await task
     assert "".join(o.text for o in outs) == outs[-1].output_text == "Hello 😀 there"
     assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == len(toks)
@@ -111,22 +111,23 @@ async def test_stop_string_aborts_engine_request(pair, tok):
     engine, client = pair
     params = SamplingParams(max_tokens=20, stop=["END"])
     task = asyncio.create_task(collect(client.generate("Hi", params, "r2")))
-    await engine.adds.get()
-    await engine.deltas(RequestDelta("r2", ids(tok, "one two EN")))
-    await engine.deltas(RequestDelta("r2", ids(tok, "D three")))
+    rid = (await engine.adds.get()).request_id
+    await engine.deltas(RequestDelta(rid, ids(tok, "one two EN")))
+    await engine.deltas(RequestDelta(rid, ids(tok, "D three")))
     outs = await task
     assert outs[-1].output_text == "one two " and outs[-1].finish_reason == "stop"
     assert outs[-1].stop_reason == "END"
-    assert (await asyncio.wait_for(engine.aborts.get(), 2)).request_ids == ["r2"]
+    assert (await asyncio.wait_for(engine.aborts.get(), 2)).request_ids == [rid]
 
 
 async def test_break_aborts(pair, tok):
     engine, client = pair
     gen = client.generate([5, 6, 7], SamplingParams(max_tokens=20), "r3")
 
-    async def reply() -> None:
-        await engine.adds.get()
-        await engine.deltas(RequestDelta("r3", [100]))
+    async def reply() -> str:
+        rid = (await engine.adds.get()).request_id
+        await engine.deltas(RequestDelta(rid, [100]))
+        return rid
 
     replier = asyncio.create_task(reply())
     async for _ in gen:
@@ -134,8 +135,8 @@ async def test_break_aborts(pair, tok):
     else:  # pragma: no cover
         pytest.fail("no output")
     await gen.aclose()
-    await replier
-    assert (await asyncio.wait_for(engine.aborts.get(), 2)).request_ids == ["r3"]
+    rid = await replier
+    assert (await asyncio.wait_for(engine.aborts.get(), 2)).request_ids == [rid]
     assert client.num_in_flight == 0
 
 
@@ -147,35 +148,55 @@ async def test_break_without_aclose_aborts(pair, tok):
             break
 
     task = asyncio.create_task(first())
-    await engine.adds.get()
-    await engine.deltas(RequestDelta("r3b", [100]))
+    rid = (await engine.adds.get()).request_id
+    await engine.deltas(RequestDelta(rid, [100]))
     await task
-    assert (await asyncio.wait_for(engine.aborts.get(), 2)).request_ids == ["r3b"]
+    assert (await asyncio.wait_for(engine.aborts.get(), 2)).request_ids == [rid]
 
 
 async def test_cancel_aborts(pair):
     engine, client = pair
     task = asyncio.create_task(collect(client.generate([5], SamplingParams(), "r4")))
-    await engine.adds.get()
+    rid = (await engine.adds.get()).request_id
     task.cancel()
-    assert (await asyncio.wait_for(engine.aborts.get(), 2)).request_ids == ["r4"]
+    assert (await asyncio.wait_for(engine.aborts.get(), 2)).request_ids == [rid]
 
 
 async def test_client_abort_ends_generate(pair):
     engine, client = pair
     task = asyncio.create_task(collect(client.generate([5], SamplingParams(), "r5")))
-    await engine.adds.get()
+    rid = (await engine.adds.get()).request_id
     await client.abort("r5")
     outs = await task
     assert outs[-1].finish_reason == "abort"
-    assert (await engine.aborts.get()).request_ids == ["r5"]
+    assert (await engine.aborts.get()).request_ids == [rid]
+
+
+async def test_reused_id_after_abort_gets_its_own_generation(pair, tok):
+    """The id is the caller's, the engine's ids are fresh: the aborted request's late tokens and
+    final abort (sent by the engine after the reuse began) never reach the new request."""
+    engine, client = pair
+    old = asyncio.create_task(collect(client.generate([5], SamplingParams(max_tokens=50), "same")))
+    old_id = (await engine.adds.get()).request_id
+    await client.abort("same")
+    assert (await old)[-1].finish_reason == "abort"
+    new = asyncio.create_task(collect(client.generate([6], SamplingParams(max_tokens=2), "same")))
+    new_id = (await engine.adds.get()).request_id
+    assert new_id != old_id and new_id.startswith("same@")
+    await engine.deltas(RequestDelta(old_id, [100, 101]))  # late: the engine had not seen the abort yet
+    await engine.deltas(RequestDelta(old_id, finish_reason="abort"))
+    await engine.deltas(RequestDelta(new_id, ids(tok, " fresh"), finish_reason="length"))
+    outs = await new
+    assert outs[-1].finish_reason == "length" and outs[-1].output_text == " fresh"
+    assert [t for o in outs for t in o.token_ids] == ids(tok, " fresh")
 
 
 async def test_n_fans_out_with_seed_offsets(pair, tok):
     engine, client = pair
     task = asyncio.create_task(collect(client.generate([5], SamplingParams(n=3, seed=7, max_tokens=2), "r6")))
     adds = [await engine.adds.get() for _ in range(3)]
-    assert [a.request_id for a in adds] == ["r6-0", "r6-1", "r6-2"]
+    base = adds[0].request_id.rsplit("-", 1)[0]
+    assert base.startswith("r6@") and [a.request_id for a in adds] == [f"{base}-{i}" for i in range(3)]
     assert [a.params.seed for a in adds] == [7, 8, 9] and all(a.params.n == 1 for a in adds)
     for i, a in enumerate(adds):
         await engine.deltas(RequestDelta(a.request_id, ids(tok, f" c{i}"), finish_reason="length"))
@@ -187,8 +208,8 @@ async def test_n_fans_out_with_seed_offsets(pair, tok):
 async def test_engine_error_delta(pair):
     engine, client = pair
     task = asyncio.create_task(collect(client.generate([5], SamplingParams(), "r7")))
-    await engine.adds.get()
-    await engine.deltas(RequestDelta("r7", finish_reason="error", error="boom"))
+    rid = (await engine.adds.get()).request_id
+    await engine.deltas(RequestDelta(rid, finish_reason="error", error="boom"))
     outs = await task
     assert outs[-1].finish_reason == "error" and outs[-1].error == "boom"
     assert not client.dead
@@ -219,10 +240,10 @@ async def test_silent_engine_is_detected(pair):
 async def test_pings_keep_a_slow_engine_alive(pair):
     engine, client = pair
     task = asyncio.create_task(collect(client.generate([5], SamplingParams(), "r10")))
-    await engine.adds.get()
+    rid = (await engine.adds.get()).request_id
     await asyncio.sleep(1.5)  # several ping periods with no outputs, but pings answered
     assert not task.done()
-    await engine.deltas(RequestDelta("r10", [7], finish_reason="length"))
+    await engine.deltas(RequestDelta(rid, [7], finish_reason="length"))
     assert (await task)[-1].finish_reason == "length"
 
 
@@ -259,25 +280,26 @@ async def test_connect_times_out(tmp_path, tok):
 
 
 async def test_request_id_in_flight_is_refused(pair):
-    """A second request may not reuse an id in flight, nor take the engine id of another's choice
-    (`r9-1` is choice 1 of `r9` with n=2); the first request is untouched."""
+    """A second request may not reuse an id in flight (abort(id) would be ambiguous); an id that
+    looks like another's choice (`r9-1`) is just another id; the first request is untouched."""
     engine, client = pair
     task = asyncio.create_task(collect(client.generate([5], SamplingParams(n=2, max_tokens=2), "r9")))
     adds = [await engine.adds.get() for _ in range(2)]
-    for rid in ("r9", "r9-1"):
-        with pytest.raises(ParamError, match="already in flight"):
-            client.generate([6], SamplingParams(), rid)
+    with pytest.raises(ParamError, match="already in flight"):
+        client.generate([6], SamplingParams(), "r9")
     # two generate() calls may both pass the early check; the one that starts second is refused
     first, second = client.generate([7], SamplingParams(), "r10"), client.generate([8], SamplingParams(), "r10")
     t10 = asyncio.create_task(collect(first))
-    assert (await engine.adds.get()).request_id == "r10"
+    a10 = await engine.adds.get()
+    assert a10.request_id.startswith("r10@")
     with pytest.raises(ParamError, match="already in flight"):
         await collect(second)
-    for a in adds + [AddRequest("r10", [7], SamplingParams())]:
+    for a in adds + [a10]:
         await engine.deltas(RequestDelta(a.request_id, [100], finish_reason="length"))
     assert len(await task) == 2 and len(await t10) == 1
     assert engine.adds.empty() and client.num_in_flight == 0
     again = asyncio.create_task(collect(client.generate([6], SamplingParams(), "r9")))  # free once finished
-    assert (await engine.adds.get()).request_id == "r9"
-    await engine.deltas(RequestDelta("r9", [100], finish_reason="length"))
+    rid = (await engine.adds.get()).request_id
+    assert rid.startswith("r9@") and rid not in {a.request_id for a in adds}
+    await engine.deltas(RequestDelta(rid, [100], finish_reason="length"))
     assert (await again)[-1].finish_reason == "length"

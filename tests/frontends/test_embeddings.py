@@ -126,6 +126,9 @@ def test_longest_prompt_fits_one_more_is_400_with_the_numbers(oai, server):
     ({"input": [101, 99999, 102]}, "input"),
     ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
     ({"input": "hi", "truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
+    ({"input": ["hi"] * 129}, "input"),  # --max-request-fanout (128): one request, at most 128 vectors
+    ({"input": [[101, 102]] * 1000}, "input"),
+    ({"input": "hi", "request_id": "a b"}, "request_id"),
 ])
 def test_bad_requests_are_400(server, body, param):
     r = post(server, **body)

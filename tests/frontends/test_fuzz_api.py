@@ -1,8 +1,8 @@
 """Property test: no request body, however wrong, gets a 5xx or leaves a request stuck.
 
 Hypothesis mutates valid bodies of every POST route (fields replaced by arbitrary JSON of
-any type, unknown fields added, random bytes, deep nesting) and sends them to a real
-`axonserve serve`. Every answer must be a 2xx or a 4xx carrying OpenAI error JSON; after
+any type or by values around the server's size bounds, unknown fields added, random bytes,
+deep nesting) and sends them to a real `axonserve serve` started with small bounds. Every answer must be a 2xx or a 4xx carrying OpenAI error JSON; after
 the run the engine must be idle again (nothing running, no KV block held) and still serve.
 """
 
@@ -32,12 +32,15 @@ FIELDS = {  # fields worth attacking, per route (plus whatever the base has)
                         "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
                         "max_tokens", "min_tokens", "ignore_eos", "stream", "stream_options", "stop_token_ids",
                         "allowed_token_ids", "prompt_logprobs", "truncate_prompt_tokens", "user", "suffix",
-                        "request_id", "skip_special_tokens", "include_stop_str_in_output"],
+                        "request_id", "skip_special_tokens", "include_stop_str_in_output", "guided_regex",
+                        "guided_choice", "guided_json", "structured_outputs"],
     "/v1/chat/completions": ["messages", "n", "stop", "seed", "logprobs", "top_logprobs", "logit_bias",
                              "temperature", "max_tokens", "max_completion_tokens", "min_tokens", "stream",
                              "stream_options", "add_generation_prompt", "continue_final_message",
-                             "chat_template_kwargs", "user", "response_format", "tools", "tool_choice"],
-    "/tokenize": ["prompt", "messages", "add_special_tokens", "return_token_strs", "add_generation_prompt"],
+                             "chat_template_kwargs", "user", "response_format", "tools", "tool_choice",
+                             "chat_template", "request_id", "guided_grammar"],
+    "/tokenize": ["prompt", "messages", "add_special_tokens", "return_token_strs", "add_generation_prompt",
+                  "chat_template", "chat_template_kwargs"],
     "/detokenize": ["tokens", "model"],
 }
 
@@ -53,6 +56,19 @@ json_value = st.recursive(
     leaf,
     lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=4)),
     max_leaves=12,
+)
+# values around the server's bounds (see `server`): counts and lengths just under, at and over them
+SIZES = [0, 1, 3, 4, 5, 8, 9, 16, 17, 64, 129, 2049, 70_000]
+tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.text("abcdef", min_size=1, max_size=6), "parameters": st.just({"type": "object"})})})
+oversized = st.one_of(
+    st.builds(lambda n, c: c * n, st.sampled_from(SIZES), st.sampled_from(["a", "é", "{%", " ", "\n"])),
+    st.builds(lambda n, x: [x] * n, st.sampled_from(SIZES[:-2]), st.one_of(st.text(max_size=4), st.integers(0, 9))),
+    st.builds(lambda n: {str(i): 1.0 for i in range(n)}, st.sampled_from(SIZES[:-2])),
+    st.builds(lambda n, t: [t] * n, st.sampled_from(SIZES[:-2]), tool),
+    st.sampled_from(["{% for i in range(99999) %}{% for j in range(99999) %}{{ j }}{% endfor %}{% endfor %}",
+                     "{{ messages }}", "{% set r = range(100000) %}{% for a in r %}{% for b in r %}{% endfor %}"
+                     "{% endfor %}", {"chat_template": "{{ 1 }}"}, {"tokenize": True}, {"x": "y"}]),
 )
 message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", "x"]),
                                  "content": st.one_of(st.text(max_size=20), json_value)})
@@ -71,7 +87,7 @@ def bodies(draw) -> tuple[str, bytes]:
         if key == "messages":
             body[key] = draw(st.one_of(st.lists(message, max_size=3), json_value))
         else:
-            body[key] = draw(json_value)
+            body[key] = draw(st.one_of(json_value, oversized))
     if draw(st.booleans()):
         body.pop(draw(st.sampled_from(sorted(body))), None)
     if draw(st.integers(0, 9)) == 0:
@@ -84,7 +100,11 @@ def bodies(draw) -> tuple[str, bytes]:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    args = ("--max-num-seqs", "8", "--max-model-len", "256", "--num-kv-blocks", "128", "--served-model-name", "tiny")
+    args = ("--max-num-seqs", "8", "--max-model-len", "256", "--num-kv-blocks", "128", "--served-model-name", "tiny",
+            "--max-request-fanout", "8", "--max-stop-strings", "4", "--max-stop-string-chars", "16",
+            "--max-logit-bias", "16", "--max-tools", "4", "--max-structured-output-bytes", "2048",
+            "--max-request-id-chars", "16", "--max-waiting", "16", "--max-waiting-tokens", "2048",
+            "--trust-request-chat-template", "--chat-template-timeout", "2")
     with serve(tiny_llama_dir, *args) as srv:
         yield srv
 
@@ -109,7 +129,9 @@ def test_no_body_gets_a_5xx_or_sticks(server):
         @given(bodies())
         def probe(case: tuple[str, bytes]) -> None:
             route, body = case
+            t0 = time.monotonic()
             _check(http.post(route, content=body, headers={"content-type": "application/json"}), route, body)
+            assert time.monotonic() - t0 < 15, f"{route} {body[:300]!r}: {time.monotonic() - t0:.1f}s"
 
         probe()
 

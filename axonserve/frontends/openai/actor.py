@@ -15,7 +15,7 @@ from typing import Any
 import uvicorn
 import zmq
 
-from axonserve.actors.runtime import Actor
+from axonserve.actors.runtime import SMALL_MESSAGE_BYTES, Actor
 from axonserve.frontends.client import AsyncEngineClient
 from axonserve.frontends.openai.server import build_app
 from axonserve.protocol import Codec
@@ -43,7 +43,7 @@ class FrontendActor(Actor):
         self.client = await AsyncEngineClient.connect(
             self.addresses.engine, timeout=self.config.ready_timeout_s, model_hint=self.config.model
         )
-        self._metrics_sock = self.socket(zmq.DEALER, self.addresses.metrics)
+        self._metrics_sock = self.socket(zmq.DEALER, self.addresses.metrics, max_bytes=SMALL_MESSAGE_BYTES)
         self._metrics_lock = asyncio.Lock()
         self.app = build_app(self.client, self.config, metrics=self._fetch_metrics)
         # Bind here so a busy port fails setup with OSError (uvicorn would sys.exit).

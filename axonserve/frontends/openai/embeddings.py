@@ -86,6 +86,8 @@ async def create_embeddings(client: AsyncEngineClient, body: EmbeddingRequest, m
         raise ParamError("dimensions", f"The model `{model_name}` does not support matryoshka "
                                        "representation: `dimensions` cannot change its output size")
     items = body.inputs()
+    if len(items) > client.info.limits.max_fanout:
+        raise ParamError("input", f"at most {client.info.limits.max_fanout} inputs per request")
     chars = sum(len(i) for i in items if isinstance(i, str))
     enc = client.tokenizer.encode
 

@@ -35,16 +35,21 @@ async def send_error(send: Send, status: int, message: str, type_: str, headers:
     await send({"type": "http.response.body", "body": body})
 
 
+# routes that stay open with an API key: probes and the schema (vLLM guards only /v1/*; we also
+# guard /tokenize, /detokenize and the profiler, which run templates or write to disk)
+PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/ping", "/openapi.json"})
+
+
 class ApiKeyAuth:
-    """Every `/v1/*` route needs `Authorization: Bearer <key>`; `/health`, `/version`,
-    `/metrics` and the rest stay open, as in vLLM. CORS preflights (OPTIONS) pass."""
+    """Every route but `PUBLIC_PATHS` needs `Authorization: Bearer <key>`. CORS preflights
+    (OPTIONS) pass."""
 
     def __init__(self, app: Any, api_key: str):
         self.app = app
         self._key = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in PUBLIC_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._key):
                 await send_error(send, 401, "Unauthorized: missing or invalid API key", "AuthenticationError",

@@ -8,6 +8,7 @@ relies on is worse than refusing it), except OpenAI fields that do not change th
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -23,6 +24,19 @@ from axonserve.protocol.messages import ParamError, SamplingParams
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
+
+
+def request_id(given: str | None, prefix: str, max_chars: int) -> str:
+    """The request's id: the caller's `request_id` (bounded: it is echoed in every chunk and log
+    line) or a fresh one."""
+    if given is None:
+        return random_id(prefix)
+    if not 1 <= len(given) <= max_chars or not _REQUEST_ID.fullmatch(given):
+        raise ParamError("request_id", f"request_id must be 1 to {max_chars} characters of A-Z a-z 0-9 . _ : -")
+    return given
 
 
 class _Request(BaseModel):
@@ -172,7 +186,8 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's: refused unless --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None  # template variables only (chat_template.py)
     tools: list[ChatTool] | None = None  # tool calling: tools.py
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True  # false: at most one call (tool_choice required)
@@ -322,6 +337,7 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
@@ -354,8 +370,8 @@ class ErrorResponse(BaseModel):
 
 
 # OpenAI error `type` by HTTP status (anything else: InternalServerError)
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 409: "ConflictError",
-               413: "RequestEntityTooLarge", 501: "NotImplementedError", 503: "ServiceUnavailableError"}
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 408: "TimeoutError",
+               409: "ConflictError", 413: "RequestEntityTooLarge", 501: "NotImplementedError", 503: "ServiceUnavailableError"}
 
 
 def error_response(status: int, message: str, type_: str | None = None, param: str | None = None) -> JSONResponse:

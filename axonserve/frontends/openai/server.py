@@ -10,7 +10,9 @@ cancelled by Starlette, non-streaming handlers by racing them against `http.disc
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
@@ -26,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from axonserve import __version__
 from axonserve.config import EngineConfig
+from axonserve.frontends.chat_template import render_bounded, request_template
 from axonserve.frontends.client import AsyncEngineClient, EngineDeadError, RequestError, RequestOutput
 from axonserve.frontends.multimodal import ImageInputs, PromptImages, has_images, take_images
 from axonserve.frontends.openai.embeddings import EmbeddingRequest, create_embeddings
@@ -53,12 +56,12 @@ from axonserve.frontends.openai.protocol import (
     PromptLogprob,
     PromptLogprobList,
     DetokenizeRequest,
+    request_id,
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
     TopLogprob,
     UsageInfo,
-    random_id,
 )
 from axonserve.frontends.openai.structured_outputs import with_structured_outputs
 from axonserve.frontends.openai.tools import ToolCallFormatter, plan_tools, template_messages
@@ -107,13 +110,24 @@ def _note_access(**fields: Any) -> None:
         rec.update(fields)
 T = TypeVar("T")
 _LONG_PROMPT_CHARS = 4096  # tokenize longer prompts off the event loop
+_IMAGE_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="images")  # decoding and fetching
+_TRACE_WAIT_S = 60.0  # /stop_profile waits this long for the ranks' traces to be written
+
+
+async def _wait_for_files(paths: list[str], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(p) for p in paths):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.1)
+    return True
 
 
 class ModelNotFound(LookupError):
     pass
 
 
-_REJECT_CODES = (400, 503)  # engine refusals that become the HTTP status before a stream starts
+_REJECT_CODES = (400, 408, 503)  # engine refusals that become the HTTP status before a stream starts
 
 
 def _error_for(exc: BaseException) -> JSONResponse:
@@ -206,11 +220,37 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
             return await asyncio.to_thread(client.tokenizer.encode, prompt)
         return client.tokenizer.encode(prompt)
 
+    limits = client.info.limits
+
+    async def encode_chat(messages: list[dict[str, Any]], body: ChatCompletionRequest | TokenizeRequest,
+                          extra: dict[str, Any] | None = None) -> list[int]:
+        """The chat prompt's ids: the template rendered and the text encoded on the template pool,
+        under the time limit; a request's own template only with --trust-request-chat-template."""
+        override, variables = request_template(body.chat_template, body.chat_template_kwargs,
+                                               cfg.trust_request_chat_template)
+        kwargs = {**(extra or {}), **variables, **({"chat_template": override} if override is not None else {})}
+
+        def work() -> list[int]:
+            return client.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt,
+                                                continue_final_message=body.continue_final_message, **kwargs)
+
+        max_chars = max(1 << 20, 64 * client.info.max_model_len)
+        return await render_bounded(work, cfg.chat_template_timeout_s, max_chars)
+
+    async def constrained(params: SamplingParams, body: Any, tool_spec: Any = None) -> SamplingParams:
+        """The request's structured-output constraint, size-checked then compiled off the loop."""
+        return await asyncio.to_thread(with_structured_outputs, params, body, client.tokenizer, tool_spec,
+                                       limits.max_structured_output_bytes)
+
     def start(prompts: list[list[int]], params: SamplingParams, rid: str,
               images: PromptImages | None = None) -> list[AsyncGenerator[RequestOutput, None]]:
         reason = unavailable()
         if reason is not None:
             raise EngineDeadError(reason)
+        if len(prompts) * params.n > limits.max_fanout:
+            raise ParamError("n" if len(prompts) == 1 else "prompt",
+                             f"a request may start at most {limits.max_fanout} generations (prompts x n); "
+                             f"this one asks for {len(prompts)} x {params.n}")
         for ids in prompts:  # validate all before starting any
             client.validate(ids, params)
         if len(prompts) == 1:
@@ -239,49 +279,49 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         check_model(body.model)
         client.require_task("generate", "Completions API")
-        params = with_structured_outputs(body.sampling_params(), body, client.tokenizer)
-        prompts = [body.truncate(await tokenize(p)) for p in body.prompts()]
-        rid = body.request_id or random_id("cmpl")
+        rid = request_id(body.request_id, "cmpl", limits.max_request_id_chars)
+        texts = body.prompts()
+        if len(texts) > limits.max_fanout:
+            raise ParamError("prompt", f"at most {limits.max_fanout} prompts per request")
+        params = await constrained(body.sampling_params(), body)
+        prompts = [body.truncate(await tokenize(p)) for p in texts]
         _note_access(request_id=rid)
         streams = start(prompts, params, rid)
         echo = [client.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts] if body.echo else None
         fmt = _CompletionFormat(client, rid, model_name, params, prompts, echo=echo)
         if body.stream:
-            return await _stream_response(fmt, streams, params.n, body.include_usage)
+            return await _stream_response(raw, fmt, streams, params.n, body.include_usage)
         return await _cancel_on_disconnect(raw, fmt.full(streams, params.n))
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         check_model(body.model)
         client.require_task("generate", "Chat Completions API")
+        rid = request_id(body.request_id, "chatcmpl", limits.max_request_id_chars)
+        if body.tools is not None and len(body.tools) > limits.max_tools:
+            raise ParamError("tools", f"at most {limits.max_tools} tools per request")
         tools = plan_tools(body.tools, body.tool_choice, cfg.enable_auto_tool_choice, cfg.tool_call_parser,
                            body.parallel_tool_calls)
-        params = with_structured_outputs(body.sampling_params(), body, client.tokenizer,
-                                         tools.structured if tools else None)
+        params = await constrained(body.sampling_params(), body, tools.structured if tools else None)
         messages = template_messages([m.model_dump(exclude_none=True) for m in body.messages])
         urls: list[str] = []
         if has_images(messages):
             if image_inputs is None:
                 raise ParamError("messages", f"The model `{model_name}` is text-only: it does not accept images")
             messages, urls = take_images(messages, image_inputs.image_token)
-        ids = body.truncate(client.tokenizer.encode_chat(
-            messages,
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            **(tools.template_kwargs() if tools else {}),
-            **(body.chat_template_kwargs or {}),
-        ))
+        ids = body.truncate(await encode_chat(messages, body, tools.template_kwargs() if tools else None))
         images = None
         if urls:
             assert image_inputs is not None
-            ids, images = await asyncio.to_thread(image_inputs.prepare, ids, urls)
+            # a pool of their own: slow image URLs (up to the fetch deadline) never hold the
+            # threads that tokenize and compile grammars for everyone else
+            ids, images = await asyncio.get_running_loop().run_in_executor(_IMAGE_POOL, image_inputs.prepare, ids, urls)
             _note_access(images=len(urls))
-        rid = body.request_id or random_id("chatcmpl")
         _note_access(request_id=rid)
         streams = start([ids], params, rid, images)
         fmt = _ChatFormat(client, rid, model_name, params, [ids], tools=tools.formatter() if tools else None)
         if body.stream:
-            return await _stream_response(fmt, streams, params.n, body.include_usage)
+            return await _stream_response(raw, fmt, streams, params.n, body.include_usage)
         return await _cancel_on_disconnect(raw, fmt.full(streams, params.n))
 
     @app.post("/v1/embeddings", response_model=None)
@@ -289,7 +329,7 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
         check_model(body.model)
         if (reason := unavailable()) is not None:
             raise EngineDeadError(reason)
-        rid = body.request_id or random_id("embd")
+        rid = request_id(body.request_id, "embd", limits.max_request_id_chars)
         _note_access(request_id=rid)
         return await _cancel_on_disconnect(raw, create_embeddings(client, body, model_name, rid))
 
@@ -301,12 +341,9 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
         if (body.prompt is None) == (body.messages is None):
             raise ParamError("prompt", "give exactly one of `prompt` and `messages`")
         if body.messages is not None:
-            ids = tok.encode_chat([m.model_dump(exclude_none=True) for m in body.messages],
-                                  add_generation_prompt=body.add_generation_prompt,
-                                  continue_final_message=body.continue_final_message,
-                                  **(body.chat_template_kwargs or {}))
+            ids = await encode_chat([m.model_dump(exclude_none=True) for m in body.messages], body)
         else:
-            ids = list(tok.hf.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+            ids = await asyncio.to_thread(tok.hf.encode, body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=client.info.max_model_len, tokens=ids,
                                 token_strs=tok.hf.convert_ids_to_tokens(ids) if body.return_token_strs else None)
 
@@ -314,9 +351,14 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
     async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
         body.check_fields()
         check_model(body.model)
-        if any(not 0 <= t < client.info.vocab_size for t in body.tokens):
-            raise ParamError("tokens", f"token ids must be in [0, {client.info.vocab_size})")
-        return DetokenizeResponse(prompt=client.tokenizer.decode(body.tokens, skip_special_tokens=False))
+        vocab = client.info.vocab_size
+
+        def decode() -> str:  # up to the body limit's worth of ids: off the event loop
+            if any(not 0 <= t < vocab for t in body.tokens):
+                raise ParamError("tokens", f"token ids must be in [0, {vocab})")
+            return client.tokenizer.decode(body.tokens, skip_special_tokens=False)
+
+        return DetokenizeResponse(prompt=await asyncio.to_thread(decode))
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -337,21 +379,35 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
             st = await (client.start_profile() if start else client.stop_profile())
         except RequestError as e:
             return error_response(e.status, str(e))
-        return JSONResponse({"status": "started" if start else "stopped", "files": st.files})
+        if start:
+            return JSONResponse({"status": "started", "files": []})
+        # the ranks write their traces on threads; answer when they are on disk (200) or, past
+        # the wait, say they are still being written (202): the engine never waits for them
+        written = await _wait_for_files(st.files, _TRACE_WAIT_S)
+        return JSONResponse({"status": "stopped" if written else "writing", "files": st.files},
+                            status_code=200 if written else 202)
 
     return app
 
 
-async def _stream_response(fmt: "_Format", streams: list[AsyncGenerator[RequestOutput, None]],
+async def _first_output(stream: AsyncGenerator[RequestOutput, None]) -> RequestOutput | None:
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        return None
+
+
+async def _stream_response(raw: Request, fmt: "_Format", streams: list[AsyncGenerator[RequestOutput, None]],
                            n: int, include_usage: bool) -> Response:
     """Wait for a single stream's first output before committing to HTTP 200, so a request
-    the engine rejects at once (overload 503, bad input 400) gets a real status code."""
+    the engine rejects at once (overload 503, bad input 400) gets a real status code. While it
+    waits (queued behind others) a client that leaves has its request aborted before prefill."""
     if len(streams) == 1 and n == 1:
         first_stream = streams[0]
-        try:
-            first = await anext(first_stream)
-        except StopAsyncIteration:
-            first = None
+        first = await _cancel_on_disconnect(raw, _first_output(first_stream))
+        if isinstance(first, Response):  # the client left: the request is aborted
+            await first_stream.aclose()
+            return first
         if first is not None and first.finish_reason == "error" and first.error_code in _REJECT_CODES:
             await first_stream.aclose()
             return error_response(first.error_code, first.error or "rejected")

@@ -60,7 +60,7 @@ def _schema(value: str | dict[str, Any] | bool, param: str, any_whitespace: bool
     return json_schema(value, any_whitespace)
 
 
-def requested_spec(body: Any, tokenizer: Any) -> StructuredOutputsParams | None:
+def requested_spec(body: Any, tokenizer: Any, max_bytes: int | None = None) -> StructuredOutputsParams | None:
     """The one structured-output spec a completion/chat request asks for, compiled (ParamError
     if several or if it does not compile)."""
     found: list[tuple[str, StructuredOutputsParams]] = []
@@ -101,12 +101,16 @@ def requested_spec(body: Any, tokenizer: Any) -> StructuredOutputsParams | None:
     if len(found) > 1:
         raise ParamError(found[1][0], f"only one structured output constraint per request; got "
                                       f"{', '.join(name for name, _ in found)}")
-    return checked(found[0][1], tokenizer, found[0][0]) if found else None
+    return checked(found[0][1], tokenizer, found[0][0], max_bytes) if found else None
 
 
-def checked(spec: StructuredOutputsParams, tokenizer: Any, param: str) -> StructuredOutputsParams:
-    """Compile the spec now (ParamError naming `param` -> 400); llguidance reads fast (Rust)
-    tokenizers only."""
+def checked(spec: StructuredOutputsParams, tokenizer: Any, param: str,
+            max_bytes: int | None = None) -> StructuredOutputsParams:
+    """Compile the spec now (ParamError naming `param` -> 400), unless it is over `max_bytes`
+    (refused before compiling); llguidance reads fast (Rust) tokenizers only."""
+    if max_bytes is not None and len(spec.spec.encode()) > max_bytes:
+        raise ParamError(param, f"{param}: the constraint (schema, regex, grammar or choices) is larger than "
+                                f"{max_bytes} bytes")
     if not getattr(tokenizer.hf, "is_fast", False):
         raise ParamError(param, "structured output needs a fast (tokenizers) tokenizer")
     try:
@@ -117,13 +121,15 @@ def checked(spec: StructuredOutputsParams, tokenizer: Any, param: str) -> Struct
 
 
 def with_structured_outputs(params: SamplingParams, body: Any, tokenizer: Any,
-                            tool_spec: StructuredOutputsParams | None = None) -> SamplingParams:
+                            tool_spec: StructuredOutputsParams | None = None,
+                            max_bytes: int | None = None) -> SamplingParams:
     """`params` carrying the request's constraint: its own (response_format, guided_*,
-    structured_outputs) or the one tool_choice required/named implies (tools.py); not both."""
-    spec = requested_spec(body, tokenizer)
+    structured_outputs) or the one tool_choice required/named implies (tools.py); not both.
+    Compiling is CPU work: the server calls this off the event loop."""
+    spec = requested_spec(body, tokenizer, max_bytes)
     if tool_spec is not None:
         if spec is not None:
             raise ParamError("tool_choice", "tool_choice required or named already constrains the output; "
                                             "it cannot be combined with response_format or guided decoding")
-        spec = checked(tool_spec, tokenizer, "tools")
+        spec = checked(tool_spec, tokenizer, "tools", max_bytes)
     return params if spec is None else msgspec.structs.replace(params, structured_outputs=spec)

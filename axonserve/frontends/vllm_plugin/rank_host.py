@@ -26,6 +26,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from axonserve.actors.runtime import SMALL_MESSAGE_BYTES, bus_socket
 from axonserve.actors.supervisor import StartupError, Supervisor
 from axonserve.config import EngineConfig
 from axonserve.logs import setup_logging
@@ -38,7 +39,7 @@ NAME = "rank-host"
 async def host(config: EngineConfig, status_address: str, lifeline_fd: int) -> int:
     loop = asyncio.get_running_loop()
     ctx = zmq.asyncio.Context()
-    status = ctx.socket(zmq.PUSH)
+    status = bus_socket(ctx, zmq.PUSH, SMALL_MESSAGE_BYTES)
     status.setsockopt(zmq.LINGER, 2000)
     status.connect(status_address)
 

@@ -31,6 +31,7 @@ import msgspec
 import structlog
 import zmq
 
+from axonserve.actors.runtime import SMALL_MESSAGE_BYTES, bus_socket, data_message_bytes
 from axonserve.config import EngineConfig
 from axonserve.protocol import Codec, Control, DecodeError
 from axonserve.protocol.messages import ActorFailed, Hello, ProfileAck, Ready, StepResult
@@ -146,21 +147,24 @@ class RankGroup:
         assert self.pull is not None
         timeout = self.config.step_timeout_s if timeout is None else timeout  # a long step is work, not a hang
         deadline = time.monotonic() + timeout
-        while not self.pull.poll(int(POLL_S * 1000)):
-            self._check()
-            if time.monotonic() > deadline:
-                raise RanksFailed(f"axonserve rank 0 gave no reply for {what} in {timeout:.0f}s")
-        frames = self.pull.recv_multipart(copy=False)
-        try:
-            reply, self.extra_frames = _replies.decode(frames)
-        except DecodeError as e:
-            raise RanksFailed(f"undecodable reply from axonserve rank 0 for {what}: {e}") from e
-        return reply
+        while True:
+            while not self.pull.poll(int(POLL_S * 1000)):
+                self._check()
+                if time.monotonic() > deadline:
+                    raise RanksFailed(f"axonserve rank 0 gave no reply for {what} in {timeout:.0f}s")
+            frames = self.pull.recv_multipart(copy=False)
+            try:
+                reply, self.extra_frames = _replies.decode(frames)
+            except DecodeError as e:  # junk from whoever reached the socket: dropped, the wait goes on
+                log.warning("vllm_plugin.bad_reply", what=what, error=str(e)[:300])
+                continue
+            return reply
 
     # ------------------------------------------------------------------ internals
 
     def _socket(self, kind: int, address: str) -> zmq.Socket:
-        s = self.ctx.socket(kind)
+        small = kind == zmq.PULL and address.endswith("/status")
+        s = bus_socket(self.ctx, kind, SMALL_MESSAGE_BYTES if small else data_message_bytes(self.config))
         s.setsockopt(zmq.LINGER, 0)
         if kind == zmq.XPUB:
             s.setsockopt(zmq.XPUB_VERBOSE, 1)  # one subscription message per rank
@@ -182,13 +186,18 @@ class RankGroup:
 
     def _status_msg(self, timeout: float, what: str) -> Any:
         deadline = time.monotonic() + timeout
-        while not self.status.poll(int(POLL_S * 1000)):
-            if self.host_pid and not alive(self.host_pid):
-                raise RanksFailed(f"the rank host (pid {self.host_pid}) exited while waiting for {what}")
-            if time.monotonic() > deadline:
-                raise RanksFailed(f"timed out after {timeout:.0f}s waiting for {what}")
-        msg, _ = _status.decode(self.status.recv_multipart())
-        return msg
+        while True:
+            while not self.status.poll(int(POLL_S * 1000)):
+                if self.host_pid and not alive(self.host_pid):
+                    raise RanksFailed(f"the rank host (pid {self.host_pid}) exited while waiting for {what}")
+                if time.monotonic() > deadline:
+                    raise RanksFailed(f"timed out after {timeout:.0f}s waiting for {what}")
+            try:
+                msg, _ = _status.decode(self.status.recv_multipart())
+            except DecodeError as e:
+                log.warning("vllm_plugin.bad_status", error=str(e)[:300])
+                continue
+            return msg
 
     def _wait_subscribers(self, n: int) -> None:
         """Plans published before a rank's SUB is connected would be lost: wait for each."""
@@ -218,7 +227,10 @@ class RankGroup:
                     msg, _ = _status.decode(self.status.recv_multipart())
                     if isinstance(msg, ActorFailed):
                         reason = f"axonserve {msg.name} failed: {msg.reason}"
-            except (zmq.ZMQError, DecodeError):
+            except DecodeError as e:  # junk: dropped
+                log.warning("vllm_plugin.bad_status", error=str(e)[:300])
+                continue
+            except zmq.ZMQError:
                 if self._stop.is_set():
                     return
                 raise
