@@ -270,6 +270,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """`axonserve bench ...`: its modules (httpx, aiohttp) load only here, so a plain
+    `pip install .` serves without the bench extra."""
+    try:
+        from axonserve.bench.cli import main as bench_main
+    except ImportError as e:
+        raise SystemExit(f"axonserve bench needs the bench extra ({e.name} is missing): "
+                         "pip install 'axonserve[bench]'") from None
+    return bench_main(args.argv)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="axonserve", description=__doc__)
     parser.add_argument("--version", action="version", version=__version__)
@@ -303,9 +314,10 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.set_defaults(func=cmd_generate)
-    from axonserve.bench.cli import add_bench_parser
-
-    add_bench_parser(sub)
+    bench = sub.add_parser("bench", add_help=False, prefix_chars="\0",
+                           help="benchmarks: load generator, peer comparison, machine limits (extra: bench)")
+    bench.add_argument("argv", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
     from axonserve.actors.snapshot import add_snapshot_parser
     from axonserve.validate import add_validate_parser
 
