@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
 
     add_snapshot_parser(sub)
     add_validate_parser(sub)
-    from axonserve.spec.cli import add_train_eagle_parser
+    from axonserve.speculative.training.cli import add_train_eagle_parser
 
     add_train_eagle_parser(sub)
     args = parser.parse_args(argv)

@@ -41,7 +41,7 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
     # 1.15x to 1.26x; 0.0 1.25x)
     min_acceptance_rate: float = 0.1
     # eagle: a draft chain stops after a draft the head gives less than this probability, so
-    # num_speculative_tokens becomes the longest chain (0: always k; spec/eagle.py ChainDrafts)
+    # num_speculative_tokens becomes the longest chain (0: always k; speculative/eagle.py ChainDrafts)
     min_draft_confidence: float = 0.0
     # eagle: EAGLE-2 draft trees when a step's drafts outnumber tree_depth (else a chain): each depth
     # expands the tree_width likeliest nodes into their tree_width best children, tree_depth deep, and
@@ -266,7 +266,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     profile_max_traces: int = 16  # trace files kept in profile_dir; older ones are deleted
     snapshot: str = ""  # tensor snapshot rules as JSON (neuron/snapshot.py SnapshotRules); "" = off
     snapshot_dir: str = ""  # where the snapshot sink writes safetensors files + index.json
-    speculative: SpeculativeConfig | None = None  # speculative decoding (engine/spec.py)
+    speculative: SpeculativeConfig | None = None  # speculative decoding (speculative/scheduler.py)
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":  # resolved once here: every actor gets the concrete dtype

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import importlib
 import os
 import signal
 import sys
 
 import msgspec
 
+from axonserve.actors.runtime import Actor
 from axonserve.config import ActorSpec
 from axonserve.logs import setup_logging
 
@@ -32,25 +32,42 @@ def _die_with_parent(parent_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-# actor kind -> "module:class", imported only in the process that runs it (a worker never
-# imports the HTTP stack, a frontend never imports torch)
-ACTORS = {
-    "scheduler": "axonserve.engine.scheduler_actor:SchedulerActor",
-    "worker": "axonserve.neuron.worker:WorkerActor",
-    "metrics": "axonserve.actors.metrics:MetricsActor",
-    "snapshot": "axonserve.actors.snapshot:SnapshotSink",
-    "drafter": "axonserve.spec.drafter:DrafterActor",
-    "router": "axonserve.engine.encoder_router:EncoderRouter",
-    "encoder": "axonserve.neuron.encoder:EncoderActor",
-    "frontend": "axonserve.frontends.openai.actor:FrontendActor",
-}
+def actor_class(kind: str) -> type[Actor]:
+    """The class of an actor kind, imported here, in the process that runs it, and nowhere else: a
+    worker never imports the HTTP stack, a frontend never imports torch."""
+    if kind == "scheduler":
+        from axonserve.engine.scheduler_actor import SchedulerActor
 
+        return SchedulerActor
+    if kind == "worker":
+        from axonserve.neuron.worker import WorkerActor
 
-def actor_class(kind: str):
-    if kind not in ACTORS:
-        raise ValueError(f"unknown actor kind {kind!r}")
-    module, name = ACTORS[kind].split(":")
-    return getattr(importlib.import_module(module), name)
+        return WorkerActor
+    if kind == "metrics":
+        from axonserve.actors.metrics import MetricsActor
+
+        return MetricsActor
+    if kind == "snapshot":
+        from axonserve.actors.snapshot import SnapshotSink
+
+        return SnapshotSink
+    if kind == "drafter":
+        from axonserve.speculative.drafter import DrafterActor
+
+        return DrafterActor
+    if kind == "router":
+        from axonserve.multimodal.router import EncoderRouter
+
+        return EncoderRouter
+    if kind == "encoder":
+        from axonserve.multimodal.encoder import EncoderActor
+
+        return EncoderActor
+    if kind == "frontend":
+        from axonserve.frontends.openai.actor import FrontendActor
+
+        return FrontendActor
+    raise ValueError(f"unknown actor kind {kind!r}")
 
 
 async def _run(spec: ActorSpec) -> int:

@@ -92,7 +92,7 @@ class PromptFactory:
         return specs
 
     def _chat(self, num: int, output_len: int) -> list[RequestSpec]:
-        from axonserve.spec.prompts import held_out_prompts
+        from axonserve.speculative.training.prompts import held_out_prompts
 
         if self.tok is None:
             raise ValueError("chat prompts need the model's tokenizer")

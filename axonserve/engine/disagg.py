@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
-from axonserve.engine.images import ref_frame
 from axonserve.engine.request import Request
 from axonserve.protocol import Codec, DecodeError, EngineToClient, TensorRef
+from axonserve.protocol.codec import ref_frame
 from axonserve.protocol.messages import (
     AbortRequest,
     AddRequest,

@@ -109,7 +109,7 @@ class Request:
         # embed task: the whole prompt runs in one step (no KV blocks, no prefix cache, never
         # chunked), then the request finishes with a pooled vector
         self.pooling = pooling
-        # speculative decoding (engine/spec.py): drafts proposed for the next step, how many
+        # speculative decoding (speculative/scheduler.py): drafts proposed for the next step, how many
         # of them the step in flight verifies, and the request's acceptance history
         self.spec_token_ids: list[int] = []
         self.spec_parents: list[int] | None = None  # a draft tree's parent per draft (None: a chain)

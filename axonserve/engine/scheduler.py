@@ -34,8 +34,6 @@ from axonserve.engine.block_manager import BlockManager
 from axonserve.config import SpeculativeConfig
 from axonserve.engine.buckets import BucketConfig
 from axonserve.engine.request import Request, Status
-from axonserve.engine.spec import SpecDecoding
-from axonserve.spec.tree import tree_depths
 from axonserve.protocol.messages import (
     CachedRequestData,
     ParamError,
@@ -46,6 +44,8 @@ from axonserve.protocol.messages import (
     StepResult,
 )
 from axonserve.protocol.codec import TensorRef
+from axonserve.speculative.scheduler import SpecDecoding
+from axonserve.speculative.tree import tree_depths
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class SchedulerConfig:
     policy: str = "fcfs"  # fcfs | priority (lower value runs first, as in vLLM)
     buckets: BucketConfig | None = None  # bucketing mode (static shapes) when set
     task: str = "generate"  # embed: every request is a pooling request (no KV blocks)
-    speculative: SpeculativeConfig | None = None  # drafts verified in the step (engine/spec.py)
+    speculative: SpeculativeConfig | None = None  # drafts verified in the step (speculative/scheduler.py)
     # plans may be made before the last one's result is back (see `schedule`); the actor sets it
     async_scheduling: bool = False
     num_scheduler_steps: int = 1  # multi-step decoding (see `_multi_steps`)

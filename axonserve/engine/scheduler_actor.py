@@ -22,11 +22,12 @@ from axonserve import __version__
 from axonserve.actors.runtime import Actor, bus_socket, data_message_bytes
 from axonserve.engine.buckets import BucketConfig
 from axonserve.engine.disagg import PrefillPool, attach_kv, exported_kv
-from axonserve.engine.images import ImageSpec, check_images, ref_frame
 from axonserve.engine.request import Request, Status
 from axonserve.engine.scheduler import Scheduler, SchedulerConfig
+from axonserve.multimodal.scheduler import ImageSpec, check_images
 from axonserve.neuron.pooling import resolve_task
 from axonserve.protocol import ClientToEngine, Codec, DecodeError, TensorRef
+from axonserve.protocol.codec import ref_frame
 from axonserve.protocol.messages import (
     AbortRequest,
     AddRequest,

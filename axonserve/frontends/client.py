@@ -27,8 +27,8 @@ import zmq.asyncio
 
 from axonserve.actors.runtime import bus_socket
 from axonserve.frontends.detokenizer import IncrementalDetokenizer
-from axonserve.frontends.multimodal import PromptImages
 from axonserve.frontends.tokenizer import Tokenizer
+from axonserve.multimodal.frontend import PromptImages
 from axonserve.protocol import Codec, DecodeError, EngineToClient, tensor_from_frame
 from axonserve.protocol.messages import (
     AbortRequest,
@@ -227,7 +227,7 @@ class AsyncEngineClient:
         """Validate now (ParamError / EngineDeadError raised here, before any await), then
         return an async iterator of outputs. Leaving the iteration early (break, cancel,
         aclose) aborts the request on the engine. `images`: a vision-language prompt's images
-        (frontends/multimodal.py), whose placeholder runs `prompt` already holds."""
+        (multimodal/frontend.py), whose placeholder runs `prompt` already holds."""
         if self.dead:
             raise EngineDeadError(self.dead_reason or "engine is dead")
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

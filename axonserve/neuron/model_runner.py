@@ -23,11 +23,11 @@ import torch
 
 from axonserve.config import EngineConfig
 from axonserve.engine.buckets import BucketConfig
+from axonserve.multimodal.worker import ImageEncoderCache, RequestImages, batch_rows
 from axonserve.neuron.config import ModelConfig
 from axonserve.neuron.loader import load_model
 from axonserve.neuron.models.bert import EncoderBatch
 from axonserve.neuron.kv_transfer import export_kv, import_kv
-from axonserve.neuron.multimodal import ImageEncoderCache, RequestImages, batch_rows
 from axonserve.neuron.ops import native
 from axonserve.neuron.ops.attention import AttentionMetadata, DecodeRun, build_static, move_slots
 from axonserve.neuron.parallel import (
@@ -40,9 +40,7 @@ from axonserve.neuron.parallel import (
 )
 from axonserve.neuron.pooling import resolve_task
 from axonserve.neuron.sampler import Sampler, greedy_ids
-from axonserve.spec.tree import tree_path
 from axonserve.neuron.snapshot import StepSnapshots, contiguous_rows, padded_rows
-from axonserve.neuron.structured import StructuredDecoding
 from axonserve.protocol import tensor_ref
 from axonserve.protocol.messages import (
     NewRequestData,
@@ -53,6 +51,8 @@ from axonserve.protocol.messages import (
     StepResult,
     TokenLogprobs,
 )
+from axonserve.speculative.tree import tree_path
+from axonserve.structured_output.worker import StructuredDecoding
 
 log = structlog.get_logger()
 
@@ -144,7 +144,7 @@ class ModelRunner:
         spec = config.speculative
         self.eagle = None  # EAGLE drafts on rank 0, from the hidden states each step leaves here
         if spec is not None and spec.method == "eagle" and rank == 0 and self.task == "generate":
-            from axonserve.spec.eagle import EagleProposer
+            from axonserve.speculative.eagle import EagleProposer
 
             # bf16: packed, as the target; its head KV is paged by the target's block ids
             self.eagle = EagleProposer.from_config(config, self.dtype, num_blocks=self.num_kv_blocks,
@@ -161,7 +161,7 @@ class ModelRunner:
         )
 
     def image_info(self) -> dict[str, int]:
-        """For the scheduler's image checks (engine/images.py); empty for a text-only model."""
+        """For the scheduler's image checks (multimodal/scheduler.py); empty for a text-only model."""
         if self.images is None:
             return {}
         m = self.model

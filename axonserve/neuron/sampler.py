@@ -1,7 +1,7 @@
 """Batched sampling where every request brings its own parameters.
 
 Order (vLLM semantics): structured-output grammar mask (applied by the runner, see
-neuron/structured.py) -> raw logprobs -> allowed_token_ids / logit_bias -> penalties ->
+structured_output/worker.py) -> raw logprobs -> allowed_token_ids / logit_bias -> penalties ->
 min_tokens mask -> greedy argmax, or
 temperature -> min_p -> top_k/top_p -> sample. A draw is the inverse CDF at one uniform
 number per row taken from the request's own generator (or the sampler's for unseeded ones), so a
@@ -20,7 +20,7 @@ import torch
 from axonserve.neuron.ops import native
 
 from axonserve.protocol.messages import SamplingParams, TokenLogprobs
-from axonserve.spec.tree import tree_children, tree_depths
+from axonserve.speculative.tree import tree_children, tree_depths
 
 
 class SamplingState(Protocol):
@@ -222,7 +222,7 @@ class Sampler:
         rejected, the token is drawn from what is left of p (a leaf: from p itself). This is
         sampling from p one candidate at a time, so the output has exactly the target
         distribution. min_tokens is applied per position; callers pass only requests whose
-        sampling has no other dependence on the tokens before it in the step (engine/spec.py
+        sampling has no other dependence on the tokens before it in the step (speculative/scheduler.py
         `eligible`)."""
         if parents is None:
             parents = [list(range(-1, len(d) - 1)) for d in drafts]

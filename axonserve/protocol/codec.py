@@ -8,6 +8,7 @@ log and drop, never crash.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Sequence, TypeVar
 
@@ -32,6 +33,7 @@ class TensorRef(msgspec.Struct, array_like=True, gc=False):
 
 
 _encoder = msgspec.msgpack.Encoder()
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}  # what ref_frame accepts
 
 
 class Codec:
@@ -93,3 +95,19 @@ def _tensor_bytes(t: Any) -> Any:
             return t.view(torch.int16).numpy()
         return t.numpy()
     return t
+
+
+def frame_bytes(frame: Any) -> memoryview:
+    return memoryview(frame.buffer if hasattr(frame, "buffer") else frame).cast("B")
+
+
+def ref_frame(ref: TensorRef, frames: list[Any]) -> memoryview | str:
+    """The frame `ref` names if its size matches its dtype and shape, else why not."""
+    if ref.dtype not in _ITEMSIZE:
+        return f"tensor dtype {ref.dtype!r} is not supported"
+    if not 0 < ref.index < len(frames):
+        return f"tensor frame {ref.index} is missing"
+    buf = frame_bytes(frames[ref.index])
+    if len(buf) != math.prod(ref.shape) * _ITEMSIZE[ref.dtype]:
+        return f"tensor frame {ref.index} has {len(buf)} bytes, not {ref.shape} {ref.dtype}"
+    return buf

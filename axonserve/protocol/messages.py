@@ -67,7 +67,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
-    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (engine/structured.py)
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (structured_output/grammar.py)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to +-100)
     allowed_token_ids: list[int] | None = None  # vLLM: only these may be sampled
     prompt_logprobs: int | None = None  # vLLM: logprobs (+ top-N) of every prompt token after the first
@@ -119,7 +119,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             if not ok:
                 raise ParamError(param, f"{param} {why}")
         if self.structured_outputs is not None:
-            from axonserve.engine.structured import check  # llguidance, only when used
+            from axonserve.structured_output.grammar import check  # llguidance, only when used
 
             check(self.structured_outputs)
         return self

@@ -480,7 +480,7 @@ def test_draft_trees_travel_with_their_parents_and_count_by_depth():
 
 def test_verify_rows_shrink_drafts_as_more_requests_draft():
     from axonserve.config import SpeculativeConfig
-    from axonserve.engine.spec import SpecDecoding
+    from axonserve.speculative.scheduler import SpecDecoding
 
     spec = SpecDecoding(SpeculativeConfig(method="eagle", num_speculative_tokens=8, max_verify_rows=24))
     reqs = [req(str(i), 4, max_tokens=64) for i in range(13)]
@@ -492,7 +492,7 @@ def test_verify_rows_shrink_drafts_as_more_requests_draft():
 
 
 def test_ngram_propose_takes_the_longest_most_recent_match():
-    from axonserve.engine.spec import ngram_propose
+    from axonserve.speculative.scheduler import ngram_propose
 
     assert ngram_propose([1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3], 2, 1, 3) == [8, 5]  # latest "1 2 3"
     assert ngram_propose([4, 7, 1, 2, 5, 2], 3, 1, 3) == [5, 2]  # only "2" matches; continuation ends

@@ -16,8 +16,8 @@ import pytest
 from conftest import data_url, hf_llava_greedy, png_bytes
 from frontends.server import serve
 from frontends.test_openai_api import _error, _metric
+from integration.test_faults import wait_until
 from multimodal.test_llava_engine import render
-from test_faults import wait_until
 
 N = 6
 

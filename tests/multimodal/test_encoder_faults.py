@@ -14,8 +14,8 @@ import pytest
 
 from frontends.server import serve
 from frontends.test_openai_api import _error, _metric
+from integration.test_faults import session_pids, wait_until
 from multimodal.test_chat_images import as_parts, post_chat, reference
-from test_faults import session_pids, wait_until
 
 
 def encoder_pids(sid: int) -> dict[str, int]:

@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from axonserve.config import EngineConfig
-from axonserve.frontends import multimodal as mm
+from axonserve.multimodal import frontend as mm
 from axonserve.protocol.messages import ParamError
 from conftest import data_url, png_bytes
 from frontends.server import serve

@@ -12,7 +12,7 @@ import pytest
 from axonserve.actors.supervisor import Supervisor
 from axonserve.config import EngineConfig
 from axonserve.frontends.client import AsyncEngineClient
-from axonserve.frontends.multimodal import ImageInputs, take_images
+from axonserve.multimodal.frontend import ImageInputs, take_images
 from axonserve.protocol.messages import SamplingParams
 
 from conftest import data_url, hf_llava_greedy, png_bytes

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from axonserve.engine.encoder_router import FeatureCache
-from axonserve.engine.images import ImageSpec, check_images
+from axonserve.multimodal.router import FeatureCache
+from axonserve.multimodal.scheduler import ImageSpec, check_images
+from axonserve.multimodal.worker import RequestImages, batch_rows
 from axonserve.neuron.kv_transfer import export_kv, import_kv
-from axonserve.neuron.multimodal import RequestImages, batch_rows
 from axonserve.protocol import Codec, TensorRef
 from axonserve.protocol.messages import MultiModalInput
 
@@ -96,8 +96,8 @@ def test_kv_moves_between_different_block_layouts():
 def test_clip_tower_and_projector_match_transformers(tiny_llava_dir):
     from transformers import LlavaForConditionalGeneration
 
+    from axonserve.multimodal.encoder import load_vision_encoder
     from axonserve.neuron.config import ModelConfig
-    from axonserve.neuron.encoder import load_vision_encoder
     from axonserve.neuron.loader import load_model
 
     pixels = torch.randn(3, 3, 32, 32)
@@ -113,7 +113,7 @@ def test_clip_tower_and_projector_match_transformers(tiny_llava_dir):
 
 
 def test_worker_image_cache_encodes_each_image_once_within_its_budget():
-    from axonserve.neuron.multimodal import ImageEncoderCache
+    from axonserve.multimodal.worker import ImageEncoderCache
 
     class Tower:
         calls = 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from axonserve.config import EngineConfig
-from axonserve.neuron.layers.quant import INT4_GROUP, QuantizedWeight
+from axonserve.neuron.layers.quant import INT4_GROUP, QuantizedWeight, onednn_bf16
 from axonserve.neuron.model_runner import ModelRunner
 from axonserve.neuron.ops.attention import AttentionMetadata
 
@@ -96,7 +96,7 @@ def test_bf16_packed_weights_give_the_same_products(rows, n):
     from axonserve.neuron.ops import native
 
     if not can_pack(torch.bfloat16):
-        pytest.skip("oneDNN is not available in this torch build")
+        pytest.skip("no oneDNN bf16 path on this CPU (AVX512-BW/VL/DQ or AVX-NE-CONVERT)")
     torch.manual_seed(1)
     w, x = torch.randn(n, 96).bfloat16(), torch.randn(rows, 96).bfloat16()
     pw = PackedWeight(w)
@@ -138,6 +138,7 @@ def test_skinny_matmul_takes_every_row_count(k):
                                        atol=0.05, rtol=1e-2)
 
 
+@pytest.mark.skipif(not onednn_bf16(), reason="this CPU has no oneDNN bf16 path (AVX512-BW/VL/DQ or AVX-NE-CONVERT)")
 def test_bf16_runner_packs_its_linears(smollm2_dir):
     r = ModelRunner(EngineConfig(model=smollm2_dir, dtype="bfloat16", num_kv_blocks=4))
     layer = r.model.model.layers[0]

@@ -17,9 +17,9 @@ import msgspec
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from axonserve.frontends.openai.structured_outputs import ResponseFormat, StructuredOutputsRequest
 from axonserve.frontends.openai.tools import ChatTool, DeltaToolCall, NamedToolChoice, ToolCall
 from axonserve.protocol.messages import ParamError, SamplingParams
+from axonserve.structured_output.frontend import ResponseFormat, StructuredOutputsRequest
 
 
 def random_id(prefix: str) -> str:

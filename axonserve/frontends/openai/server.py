@@ -30,7 +30,6 @@ from axonserve import __version__
 from axonserve.config import EngineConfig
 from axonserve.frontends.chat_template import render_bounded, request_template
 from axonserve.frontends.client import AsyncEngineClient, EngineDeadError, RequestError, RequestOutput
-from axonserve.frontends.multimodal import ImageInputs, PromptImages, has_images, take_images
 from axonserve.frontends.openai.embeddings import EmbeddingRequest, create_embeddings
 from axonserve.frontends.openai.middleware import ApiKeyAuth, BodyLimit, api_key_from_env
 from axonserve.frontends.openai.protocol import (
@@ -63,9 +62,10 @@ from axonserve.frontends.openai.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from axonserve.frontends.openai.structured_outputs import with_structured_outputs
 from axonserve.frontends.openai.tools import ToolCallFormatter, plan_tools, template_messages
+from axonserve.multimodal.frontend import ImageInputs, PromptImages, has_images, take_images
 from axonserve.protocol.messages import ParamError, SamplingParams
+from axonserve.structured_output.frontend import with_structured_outputs
 
 log = structlog.get_logger(__name__)
 

@@ -30,8 +30,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from axonserve.engine.structured import json_schema
 from axonserve.protocol.messages import ParamError, StructuredOutputsParams
+from axonserve.structured_output.grammar import json_schema
 
 PARSERS = ("hermes", "llama3_json")
 

@@ -17,6 +17,7 @@ multiplied, and MoE experts keep their format. Outputs are approximate by constr
 
 from __future__ import annotations
 
+import functools
 import os
 
 import structlog
@@ -103,9 +104,13 @@ class PackedWeight:
 
     def __init__(self, w: torch.Tensor):
         self.shape = tuple(w.shape)
-        self.data = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 32)  # hint: a typical batch
         self.nbytes = w.numel() * w.element_size()
-        self.kernels = _skinny_kernels(w)
+        # a CPU without oneDNN's bf16 path (no AVX512-BW/VL/DQ nor AVX-NE-CONVERT) keeps the
+        # dense weight: torch's own bf16 linear, slower but exact to the same rounding
+        self.onednn = onednn_bf16()
+        self.data = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 32) if self.onednn \
+            else w.contiguous()  # (32: the batch oneDNN's layout is tuned for)
+        self.kernels = _skinny_kernels(w) if self.onednn else None
         self.skinny = self.kernels.pack_gemv_weight(w.contiguous()) if self.kernels is not None else None
         self.skinny_rows = self.kernels.skinny_rows(self.skinny) if self.skinny is not None else 0
         if self.skinny is not None:
@@ -114,6 +119,8 @@ class PackedWeight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.skinny_rows and x.dim() == 2 and x.stride(-1) == 1:
             return self.kernels.skinny_bf16(x, self.skinny)
+        if not self.onednn:
+            return torch.nn.functional.linear(x, self.data)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.data, None, "none", [], "")
 
 
@@ -129,8 +136,15 @@ def _skinny_kernels(w: torch.Tensor):
     return k if w.shape[0] % 16 == 0 and w.shape[1] % 2 == 0 else None
 
 
+@functools.cache
+def onednn_bf16() -> bool:
+    """oneDNN can hold bf16 weights in its packed layout on this CPU (AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT; not on AVX2-only machines)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def can_pack(dtype: torch.dtype) -> bool:
-    return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    return dtype == torch.bfloat16 and onednn_bf16()
 
 
 def quantize_model(model: nn.Module, method: str, act_dtype: torch.dtype) -> None:

@@ -79,6 +79,8 @@ def linear_spec(weight: torch.Tensor | None, bias: torch.Tensor | None, q: Any =
     if q is None:
         return (_KINDS["dense"], weight.detach(), NONE, b, 0, 0, NONE) if weight is not None else None
     if isinstance(q, PackedWeight):
+        if not q.onednn:  # kept dense (a CPU without oneDNN bf16)
+            return _KINDS["dense"], q.data, NONE, b, 0, 0, NONE
         return _KINDS["packed"], q.data, q.skinny if q.skinny is not None else NONE, b, q.skinny_rows, 0, NONE
     if isinstance(q, QuantizedWeight):
         if q.skinny is not None:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from axonserve.spec.tree import tree_depths
+from axonserve.speculative.tree import tree_depths
 
 
 @dataclass
@@ -67,7 +67,7 @@ class AttentionMetadata:
     ) -> "AttentionMetadata":
         """Sequences must come decodes (query_len == 1) first, then prefills, in flat-batch order.
         native: the kernels module, when the model's dtype has native kernels.
-        trees: sequence index -> its drafts' parents (spec/tree.py; speculative verification of a
+        trees: sequence index -> its drafts' parents (speculative/tree.py; speculative verification of a
         draft tree: query row 0 is the last known token, row 1 + j draft j). Its rows occupy
         consecutive slots but sit at position context + depth and attend to the context plus their
         ancestors."""

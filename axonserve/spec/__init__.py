@@ -1,1 +1,0 @@
-"""Speculative decoding: the EAGLE draft head and its trainer."""
