@@ -290,7 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None,
-                       help="require `Authorization: Bearer KEY` on /v1/* (or set AXONSERVE_API_KEY / VLLM_API_KEY)")
+                       help="require `Authorization: Bearer KEY` on every route but /health, /version, /metrics, "
+                            "/ping, /openapi.json (safer: set AXONSERVE_API_KEY or VLLM_API_KEY)")
     serve.add_argument("--allowed-origins", type=json.loads, default=[],
                        help='CORS origins (JSON list, e.g. \'["https://app.example"]\'); default none: no CORS')
     serve.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS methods (JSON list)")

@@ -18,27 +18,25 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
     # step's own hidden states) | draft_model (a smaller LM, in the drafter actor)
     method: str
     # drafts verified per step: a chain's length, a draft tree's nodes. 0: the method's default, 12 for
-    # eagle (a draft tree; served on SmolLM2, one stream: 8 nodes accepted 2.48, 10 2.56, 12 2.62 at
-    # equal tok/s, each node ~0.3 ms of verification against ~0.04 more accepted; a 3-chain 2.03), 3
-    # otherwise
+    # eagle (a draft tree: 8, 10 and 12 nodes served at equal speed, 12 accepting the most; a 3-chain
+    # accepted less; see docs/benchmarks.md#fig-config), 3 otherwise
     num_speculative_tokens: int = 0
     model: str = ""  # eagle: head directory ("" = the head shipped for the default model); draft_model: the model
     prompt_lookup_min: int = 1  # ngram: shortest suffix matched
     prompt_lookup_max: int = 3  # ngram: longest suffix matched (tried first)
     # fall back to plain decoding while more requests than this decode at once (0: never);
     # verification turns compute-bound as the batch grows, so speculation stops paying. 8: eight
-    # 3-row EAGLE verifications still fit the AMX path's flat cost (up to 32 rows); served chat at
-    # 8 / 16 streams went +3 % / +4-8 % over plain decoding, where 4 kept it off (+-3 %, noise)
+    # 3-row EAGLE verifications still fit the AMX path's flat cost (up to 32 rows), and served chat
+    # at 8 and 16 streams still gained over plain decoding (docs/benchmarks.md#fig-config)
     disable_by_batch_size: int = 8
     # draft tokens plus their roots verified in one step across the batch (0: no limit): each request's
-    # drafts shrink to fit (1 request: all k; 8 requests: 2 each). On SmolLM2 each verified row adds
-    # ~0.3 ms to an ~11 ms forward: three drafts for each of 8 requests cost more than they saved, and
-    # a draft tree's 8 for each of 8 ran 0.76-0.83x plain decoding
+    # drafts shrink to fit (1 request: all k; 8 requests: 2 each). Each verified row adds to the
+    # forward: three drafts for each of 8 requests cost more than they saved, and uncapped draft trees
+    # at 8 streams ran slower than plain decoding (docs/benchmarks.md#fig-config)
     max_verify_rows: int = 24
     # a request whose recent acceptance rate falls below this pauses drafting for a while. Break-even
-    # on SmolLM2 with the native stack: a k=3 EAGLE verification + proposal costs ~1.15-1.3 decodes,
-    # so it pays from ~0.1 accepted per draft (served, single stream: 0.2 -> 0.1 took EAGLE k=3 from
-    # 1.15x to 1.26x; 0.0 1.25x)
+    # on SmolLM2 with the native stack: a k=3 EAGLE verification + proposal costs a little more than a
+    # decode, so it pays from ~0.1 accepted per draft (docs/benchmarks.md#fig-config)
     min_acceptance_rate: float = 0.1
     # eagle: a draft chain stops after a draft the head gives less than this probability, so
     # num_speculative_tokens becomes the longest chain (0: always k; speculative/eagle.py ChainDrafts)
@@ -103,7 +101,8 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
 
 
 def cpu_has_bf16() -> bool:
-    """Native bfloat16 arithmetic (AVX512-BF16 or AMX): bf16 linears then beat float32 ~2x."""
+    """Native bfloat16 arithmetic (AVX512-BF16 or AMX): bf16 linears then beat float32
+    (docs/benchmarks.md#fig-config)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "").split()
@@ -174,7 +173,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # schedule step N+1 while step N runs (vLLM's --async-scheduling): the ranks find the next plan
     # waiting when a step ends. Ignored with speculative decoding, bucketing and P/D disaggregation.
     # Off by default: on this 2-core machine the hand-off's idle time was other processes' CPU time
-    # anyway (no throughput change measured); it pays where the scheduler has a core of its own
+    # anyway (no throughput change measured: docs/benchmarks.md#fig-config); it pays where the scheduler
+    # has a core of its own
     async_scheduling: bool = False
     # multi-step decoding (vLLM v0's --num-scheduler-steps): when every running request is
     # decoding and none waits for a seat, one plan has each decode up to this many tokens, the
@@ -188,7 +188,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # admission: beyond either bound a request gets 503 at once (0: unbounded). Requests count,
     # and so do their prompt tokens: a few huge prompts can hold the queue as long as many small ones
     max_waiting: int = 1024
-    max_waiting_tokens: int = 1 << 20  # ~4-8 min of prefill on a 2-core CPU
+    max_waiting_tokens: int = 1 << 20  # minutes of prefill on a 2-core CPU (docs/benchmarks.md#fig-config)
     # a request older than this (from its arrival at the scheduler) ends with an error (HTTP 408) and
     # frees its KV blocks; 0: no deadline
     request_timeout_s: float = 0.0
@@ -303,7 +303,7 @@ class Addresses(msgspec.Struct, kw_only=True):
     metrics: str = ""  # metrics actor ROUTER: GetMetrics -> MetricsText
     dist_init: str = ""  # torch.distributed init_method for worker ranks (tcp://host:port)
     snapshot: str = ""  # worker rank 0 PUSH (non-blocking) -> snapshot sink PULL
-    drafter: str = ""  # drafter ROUTER (EAGLE speculative decoding) <- scheduler DEALER
+    drafter: str = ""  # drafter ROUTER (speculative decoding with a draft model) <- scheduler DEALER
     router: str = ""  # encoder router ROUTER: the scheduler's and every encoder's DEALER
     prefill: str = ""  # P/D: the prefill engine's scheduler ROUTER (the decode scheduler is its client)
 
@@ -326,7 +326,7 @@ class Addresses(msgspec.Struct, kw_only=True):
 class ActorSpec(msgspec.Struct, kw_only=True):
     """Everything a child process needs to become one actor."""
 
-    kind: str  # frontend | scheduler | worker | metrics | snapshot | router | encoder
+    kind: str  # frontend | scheduler | worker | metrics | snapshot | router | encoder | drafter
     name: str
     config: EngineConfig
     addresses: Addresses

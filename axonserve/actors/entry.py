@@ -34,7 +34,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def actor_class(kind: str) -> type[Actor]:
     """The class of an actor kind, imported here, in the process that runs it, and nowhere else: a
-    worker never imports the HTTP stack, a frontend never imports torch."""
+    worker never imports the HTTP stack, a frontend loads no model code."""
     if kind == "scheduler":
         from axonserve.engine.scheduler_actor import SchedulerActor
 

@@ -2,8 +2,8 @@
 
 Uses aiohttp (as vLLM's `bench serve` does: its HTTP parser is C) + our own SSE parser (not the
 openai client) so each chunk is timestamped when its bytes arrive. The client shares the
-machine with the server under test: httpx's pure-Python stack (h11, anyio) took 12.6 % of a core
-at 32 streams, ~1,300 chunks/s. Output tokens are taken from `usage`
+machine with the server under test: httpx's pure-Python stack (h11, anyio) took a noticeable share
+of a core at 32 streams (docs/benchmarks.md#fig-bench). Output tokens are taken from `usage`
 (stream_options.include_usage) when the server sends it, else counted as content chunks.
 """
 

@@ -83,7 +83,7 @@ def setup_llamacpp(path: str, jobs: int, reinstall: bool = False) -> None:
     env = {"CMAKE_BUILD_PARALLEL_LEVEL": str(jobs)}
     if cpu_has_amx():
         env["CMAKE_ARGS"] = (os.environ.get("CMAKE_ARGS", "") + " " + _NO_AMX).strip()
-    # builds llama.cpp from the sdist (no CPU wheel on PyPI): ~9 min on 2 busy cores
+    # builds llama.cpp from the sdist (no CPU wheel on PyPI): minutes on 2 busy cores (docs/benchmarks.md#fig-bench)
     force = ["--force-reinstall"] if reinstall else []
     _run([py, "-m", "pip", "install", "--no-cache-dir", *force, "llama-cpp-python[server]"], env=env)
     from axonserve.neuron.model_source import builtin_smollm2_gguf

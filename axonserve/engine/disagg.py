@@ -14,12 +14,14 @@ Seeded sampling stays seeded but the decode worker's generator starts fresh afte
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import time
+from typing import Any
 
 import msgspec
 import zmq
 
 from axonserve.engine.request import Request
+from axonserve.engine.stage import Core
 from axonserve.protocol import Codec, DecodeError, EngineToClient, TensorRef
 from axonserve.protocol.codec import ref_frame
 from axonserve.protocol.messages import (
@@ -32,20 +34,22 @@ from axonserve.protocol.messages import (
     StepResult,
 )
 
-if TYPE_CHECKING:
-    from axonserve.engine.scheduler_actor import SchedulerActor
-
 _codec = Codec(EngineToClient)
 
 
-class PrefillPool:
-    """The decode scheduler's client of the prefill engine."""
+class PrefillStage:
+    """The decode scheduler's client of the prefill engine: a stage of the engine core."""
 
-    def __init__(self, actor: "SchedulerActor", address: str):
-        self.actor = actor
+    def __init__(self, core: Core, actor, address: str):  # noqa: ANN001 - the scheduler actor makes the socket
+        self.core = core
         self.sock = actor.socket(zmq.DEALER, address, identity=f"{actor.name}-decode".encode())
+        self.messages = actor.messages
         self.waiting: dict[str, Request] = {}  # request id -> request being prefilled
         self.dead: str | None = None
+
+    def takes(self, req: Request) -> bool:
+        """A new generate request is prefilled there (one back from there carries its KV)."""
+        return req.kv is None and req.pooling is None
 
     @staticmethod
     def check(req: Request) -> str | None:
@@ -69,6 +73,7 @@ class PrefillPool:
         await self.sock.send_multipart(Codec.encode(msg, frames), copy=False)
 
     async def abort(self, request_ids: list[str]) -> list[Request]:
+        """Stop prefilling these; returns those that were there."""
         gone = [r for r in (self.waiting.pop(rid, None) for rid in request_ids) if r is not None]
         if gone:
             await self.sock.send_multipart(Codec.encode(AbortRequest([r.request_id for r in gone])), copy=False)
@@ -81,7 +86,7 @@ class PrefillPool:
 
     async def run(self) -> None:
         """The prefill engine's answers: first tokens (with KV) and failures."""
-        async for msg, frames in self.actor.messages(self.sock, _codec, "prefill engine"):
+        async for msg, frames in self.messages(self.sock, _codec, "prefill engine"):
             if isinstance(msg, EngineDead):
                 self.dead = f"prefill engine died: {msg.reason}"
                 for req in self.take_all():
@@ -102,11 +107,30 @@ class PrefillPool:
         if bad is not None:
             await self._fail(req, f"prefill sent bad KV: {bad}", 500)
             return
-        await self.actor.first_token(req, d, KVBlocks(d.kv.num_tokens, d.kv.blocks), bufs)
+        await self._first_token(req, d, KVBlocks(d.kv.num_tokens, d.kv.blocks), bufs)
+
+    async def _first_token(self, req: Request, d: RequestDelta, kv: KVBlocks, bufs: list) -> None:
+        """The prefill engine's first token goes out now; the request then decodes here on the
+        prompt's imported KV (its images are no longer needed: never recomputed)."""
+        sched, now = self.core.sched, time.monotonic()
+        _, done = req.append_tokens(d.new_token_ids[:1], sched.cfg.eos_token_ids)
+        req.t_first = req.t_last = now
+        req.num_cached_tokens = d.num_cached_tokens  # the prefill engine's prefix-cache hit
+        sched.ttft.append(now - req.t_arrival)
+        sched.generation_tokens += 1
+        delta = RequestDelta(req.request_id, d.new_token_ids[:1], logprobs=d.logprobs,
+                             prompt_logprobs=d.prompt_logprobs, num_prompt_tokens=req.num_prompt_tokens,
+                             num_cached_tokens=req.num_cached_tokens)
+        if done:
+            delta.finish_reason, delta.stop_reason = req.finish_reason, req.stop_reason
+        await self.core.emit([delta])  # before any later token of it can leave
+        if not done:
+            req.kv, req.kv_frames = kv, {"blocks": bufs}
+            req.mm, req.mm_frames = None, {}
+            await self.core.enqueue(req)
 
     async def _fail(self, req: Request, why: str, code: int) -> None:
-        await self.actor._send_deltas([RequestDelta(req.request_id, finish_reason="error", error=why,
-                                                    error_code=code)])
+        await self.core.emit([RequestDelta(req.request_id, finish_reason="error", error=why, error_code=code)])
 
 
 def exported_kv(result: StepResult, frames: list) -> dict[str, tuple[KVBlocks, list[memoryview]]]:

@@ -167,7 +167,8 @@ class AsyncEngineClient:
     ) -> "AsyncEngineClient":
         """Connect, fetch `EngineInfo` (retrying until `timeout`), load the tokenizer.
         model_hint: the model directory the engine is expected to serve; its tokenizer loads while
-        the engine starts (~2 s of a cold start otherwise spent after the engine is ready)."""
+        the engine starts (time of a cold start otherwise spent after the engine is ready;
+        docs/benchmarks.md#fig-frontends)."""
         own_ctx = ctx is None
         early = asyncio.ensure_future(asyncio.to_thread(Tokenizer.load, model_hint)) \
             if tokenizer is None and model_hint else None

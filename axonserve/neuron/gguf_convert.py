@@ -1,7 +1,8 @@
 """Convert a llama-family GGUF file into an HF-style directory (config, safetensors, tokenizer).
 
 Our own reader (gguf.GGUFReader + gguf.quants.dequantize) instead of transformers' GGUF path:
-it is ~40x faster, and the result is a plain directory every loader understands.
+it is much faster (docs/benchmarks.md#fig-neuron-gguf), and the result is a plain directory
+every loader understands.
 Weights are stored dequantized in float32, so they equal transformers' dequantized reference.
 """
 

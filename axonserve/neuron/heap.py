@@ -3,8 +3,8 @@ back to the kernel, and put the weights a decode step streams into huge pages.
 
 glibc serves allocations above a (dynamic) threshold with fresh `mmap`s and trims the heap top
 on free, so a prefill step's multi-megabyte activations are page-faulted in again on every step
-(`clear_page_erms` in perf): a 31 x 64-token prefill of SmolLM2 took 360-1,200 ms instead of
-~340 ms, with 1.7x the page faults. vLLM-CPU asks for tcmalloc via LD_PRELOAD for the same
+(`clear_page_erms` in perf), which made prefill steps slower and erratic
+(docs/benchmarks.md#fig-neuron-heap). vLLM-CPU asks for tcmalloc via LD_PRELOAD for the same
 reason; two `mallopt` calls get the effect without a preload or a dependency. The heap then
 stays at the process's peak working set, which a serving process reaches again anyway.
 """
@@ -67,12 +67,12 @@ def _madvise(addr: int, length: int, advice: int) -> bool:
 def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of `tensors` in one buffer that the kernel is asked to back with transparent huge
     pages. A decode step streams every weight once: in 4 KiB pages that is a TLB miss and a page
-    walk every 4 KiB (SmolLM2 bf16: 65k per step). In 2 MiB pages the step's matmuls ran 3-5 %
-    faster here. The buffer is filled in ordinary pages (asking for huge pages at fault time can
-    stall the load for seconds in direct compaction on a fragmented host) and advised for huge
-    pages; `collapse_huge_pages` later has the kernel collapse it at once, else khugepaged gets to it
-    in the background. AXONSERVE_HUGEPAGES=0 keeps the tensors as they are; so do hosts without
-    transparent huge pages (the copy is then harmless)."""
+    walk every 4 KiB (SmolLM2 bf16: 65k per step). In 2 MiB pages the step's matmuls ran faster
+    (docs/benchmarks.md#fig-neuron-heap). The buffer is filled in ordinary pages (asking for huge
+    pages at fault time can stall the load for seconds in direct compaction on a fragmented host)
+    and advised for huge pages; `collapse_huge_pages` later has the kernel collapse it at once, else
+    khugepaged gets to it in the background. AXONSERVE_HUGEPAGES=0 keeps the tensors as they are; so
+    do hosts without transparent huge pages (the copy is then harmless)."""
     if os.environ.get("AXONSERVE_HUGEPAGES", "1") in ("0", "false", "no") or not tensors:
         return tensors
     sizes = [-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors]
@@ -97,10 +97,10 @@ _to_collapse: list[tuple[weakref.ref, int]] = []  # advised ranges not collapsed
 
 def collapse_huge_pages() -> int | None:
     """Collapse the buffers `huge_page_copies` made (MADV_COLLAPSE, Linux 6.1+: the data stays valid
-    and in use meanwhile); returns the MiB collapsed, None when none was pending. ~1.5-2.5 s of
-    kernel time for SmolLM2's 270 MB here: the worker runs it off its event loop after its warm-up
-    (run during the load it slowed the warm-up 0.7 -> 2.1 s; run after ready it slowed the first
-    seconds of serving)."""
+    and in use meanwhile); returns the MiB collapsed, None when none was pending. Seconds of
+    kernel time for SmolLM2's 270 MB: the worker runs it off its event loop after its warm-up
+    (run during the load it slowed the warm-up; run after ready it slowed the first seconds of
+    serving: docs/benchmarks.md#fig-neuron-heap)."""
     jobs = list(_to_collapse)
     _to_collapse.clear()
     if not jobs:

@@ -122,7 +122,8 @@ class ModelRunner:
         # K/V writes of padding rows
         self.pad_block = self.num_kv_blocks
         # the KV pool is zeroed on a thread while the weights load: zeroing is page faults (kernel
-        # time: 2-8 s for the default 2.2 GiB on this VM), loading is the interpreter and oneDNN.
+        # time, seconds for the default pool: docs/benchmarks.md#fig-neuron-model-runner), loading
+        # is the interpreter and oneDNN.
         # The thread runs in a copy of this context: its log lines keep the actor's bound fields.
         with ThreadPoolExecutor(1, thread_name_prefix="kv-alloc") as pool:
             kv = pool.submit(contextvars.copy_context().run, self._allocate_kv_cache,
@@ -201,11 +202,11 @@ class ModelRunner:
     def warm_up(self) -> float:
         """One throw-away prefill of up to max_num_batched_tokens tokens, run before the worker
         says ready: a fresh process's first large step pays the heap's growth to its working set
-        (page faults) and oneDNN's kernel generation for large row counts. Measured on SmolLM2: the
-        first 31 x 64-token burst of a fresh server took 830-950 ms, later bursts 390-450 ms, and
-        that step is every burst request's TTFT. vLLM-CPU runs a dummy batch at start-up for the
-        same reason. Skipped for pooling and multimodal models and in bucketing mode. Returns the
-        seconds it took (0: skipped)."""
+        (page faults) and oneDNN's kernel generation for large row counts: on SmolLM2 the first
+        burst of a fresh server took far longer than later ones, and that step is every burst
+        request's TTFT (docs/benchmarks.md#fig-neuron-model-runner). vLLM-CPU runs a dummy batch at
+        start-up for the same reason. Skipped for pooling and multimodal models and in bucketing
+        mode. Returns the seconds it took (0: skipped)."""
         if self.task != "generate" or self.buckets is not None or self.images is not None or not self.num_kv_blocks:
             return 0.0
         seq = max(1, min(self.WARMUP_SEQ_LEN, self.max_model_len))

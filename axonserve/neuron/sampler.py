@@ -8,7 +8,7 @@ number per row taken from the request's own generator (or the sampler's for unse
 seeded request gets the same tokens whatever else shares the batch. The common case - greedy or
 plain temperature rows, no penalties - runs in one native call on the logits as they are
 (`sample_rows`); the exponential race this replaced drew a random number per vocabulary entry,
-~35 ms a step at 32 rows against ~0.3 ms.
+two orders of magnitude slower at 32 rows (docs/benchmarks.md#fig-neuron-sampler).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ def _padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax, the first index of a tie (tests compare against argmax). The native kernel
-    where built: 13 vs 82 us for a [4, 49152] bf16 verification, 1.5 vs 9 us for an EAGLE draft row;
-    else torch's CPU max(dim), vectorised and ~3x faster than argmax on a [32, 49152] float batch."""
+    where built; else torch's CPU max(dim), vectorised and faster than argmax (both against torch's
+    argmax: docs/benchmarks.md#fig-neuron-sampler)."""
     k = native.for_dtype(logits.dtype)
     if k is not None and logits.dim() == 2 and logits.stride(-1) == 1:
         return k.argmax_rows(logits)
@@ -303,7 +303,7 @@ def _temperature_only(p: SamplingParams, vocab: int) -> bool:
     return (p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0 and p.min_p <= 0.0
 
 
-NUCLEUS_CANDIDATES = 1024  # top-p looks at the top 1024 logits first (a full sort costs ~1 ms a row)
+NUCLEUS_CANDIDATES = 1024  # top-p looks at the top 1024 logits first (a full sort is costly per row)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -45,8 +45,8 @@ class WorkerActor(Actor):
         self.runner = await self._load_in_own_thread()
         r = self.runner
         r.warm_up()  # on this thread: the one whose heap arena and thread pool serve the steps
-        # the streamed weights into huge pages (~2 s of kernel time) before saying ready: done after
-        # ready it overlapped the first seconds of serving (one-wave 32-stream runs 926-1,100 tok/s)
+        # the streamed weights into huge pages (seconds of kernel time) before saying ready: done after
+        # ready it overlapped the first seconds of serving (docs/benchmarks.md#fig-neuron-worker)
         await asyncio.to_thread(collapse_huge_pages)
         self.profiler = None
         if self.config.profile_dir:
@@ -78,7 +78,7 @@ class WorkerActor(Actor):
         """Build the runner on a thread that then exits, keeping the control loop responsive.
 
         Not `asyncio.to_thread`: a pool thread that ran torch stays alive with its OpenMP team,
-        and the forward on this thread then ran ~1.8x slower (26 -> 47 ms per SmolLM2 step).
+        and the forward on this thread then ran much slower (docs/benchmarks.md#fig-neuron-worker).
         torch's intra-op thread count is per thread, so it is copied over here as well."""
         import gc
         import threading
@@ -106,7 +106,8 @@ class WorkerActor(Actor):
         thread.join()
         torch.set_num_threads(threads)
         # the model, tokenizer and import-time objects live for the whole process: keep them out of
-        # the cyclic GC's scans (a full scan of them cost ~4% of a decode step)
+        # the cyclic GC's scans (a full scan of them cost a share of a decode step:
+        # docs/benchmarks.md#fig-neuron-worker)
         gc.collect()
         gc.freeze()
         return runner

@@ -5,7 +5,7 @@ its own ModelRunner (own paged KV, reused across calls for the common prefix) an
 greedy drafts. It is a process of its own because a draft model is a whole second model with
 its own KV pool. EAGLE's head is small and reads the target's hidden states, so it runs inside
 worker rank 0 instead (speculative/eagle.py EagleProposer): a round trip through this actor cost
-~6-9 ms per step on 2 cores against a 1.3 ms draft step.
+several times the draft step itself (docs/benchmarks.md#fig-speculative).
 """
 
 from __future__ import annotations

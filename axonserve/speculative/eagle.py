@@ -4,7 +4,8 @@ At position t the head reads `fc(cat(embed(tok_{t+1}), f_t))`, where f_t is the 
 post-final-norm hidden state (what `LlamaForCausalLM.forward` returns) and tok_{t+1} the token
 that followed it, runs one decoder layer (RMSNorm, GQA attention with RoPE at absolute position
 t, SwiGLU) and outputs f̂_{t+1}. Draft logits are the target's lm_head applied to f̂ but only
-over a reduced draft vocabulary (EAGLE-3): a full 49k-row lm_head was 77% of a draft step.
+over a reduced draft vocabulary (EAGLE-3): a full 49k-row lm_head dominated a draft step
+(docs/benchmarks.md#fig-speculative).
 
 The head directory holds only fc + the layer + the draft->target id map + the config: the
 embedding and lm_head rows are the target's, frozen, read from the target's safetensors.
@@ -290,7 +291,7 @@ class EagleHead(nn.Module):
         oneDNN's layout, and the native skinny kernels for the 1-4 rows a draft step has), which
         read the head's ~18 MB per draft step several times faster than plain bf16 F.linear.
         quantization "int8": int8 weights on the AMX path instead (half the bytes a draft step
-        reads; a cache-cold k=2 proposal 1.56 -> 1.31 ms), for a target served quantized."""
+        reads, a faster proposal: docs/benchmarks.md#fig-speculative), for a target served quantized."""
         if self.dtype != torch.bfloat16:  # (without oneDNN bf16, PackedWeight keeps dense weights)
             return self
         self.fc = PackedLinear(self.fc.weight, self.fc.bias, quantization)
@@ -555,8 +556,8 @@ class TreeDrafts:
     are verified. A child never scores above its parent, so the best nodes include their
     ancestors. Each expanded node's head K/V sits at a scratch position of its request; the
     rows of the next depth attend to the context plus the scratch positions on their path.
-    The bookkeeping is plain Python over a few dozen nodes: as torch ops it cost ~1.3 ms a
-    proposal, a third of it."""
+    The bookkeeping is plain Python over a few dozen nodes: as torch ops it cost a large share of
+    a proposal (docs/benchmarks.md#fig-speculative)."""
 
     def __init__(self, head: EagleHead, root: torch.Tensor, width: int, depth: int, scratch: np.ndarray):
         """root: f̂ [B, H] at each request's last known position; scratch[i]: the first of request

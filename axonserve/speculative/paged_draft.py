@@ -1,8 +1,8 @@
 """EAGLE drafting on the native decoder stack, over a head KV addressed by the target's block tables.
 
 `eagle.propose` (the reference, and the trainer's and evaluator's path) copies each request's
-dense head KV into a padded buffer and runs ~60 torch ops per draft step: on SmolLM2 a k=3
-proposal took ~3.1 ms, of which the head's matmuls were 1.3 ms, against an 11 ms target decode.
+dense head KV into a padded buffer and runs ~60 torch ops per draft step: on SmolLM2 the head's
+matmuls were a minority of a proposal's time (docs/benchmarks.md#fig-speculative).
 Here the head's one decoder layer is a one-layer `DecoderStack` (models/fused.py, no final norm)
 and its keys/values live in a paged cache shaped like one target layer's: position p of a request
 sits in the slot the target uses for p, so the native attention kernel reads them in place and

@@ -11,9 +11,9 @@ slots are simply overwritten later).
 A request speculates only when sampling at one position does not depend on the tokens
 sampled before it in the same step (min_tokens is applied per position by the verifier):
 no penalties, no logprobs, no grammar. Drafts shrink as more requests draft (max_verify_rows:
-verification rows cost ~0.3 ms each on SmolLM2, so 8 drafts for each of 8 requests cost more
-than they save), speculation turns itself off above a batch size, and it pauses, with
-exponential back-off, for a request whose drafts keep failing.
+each verification row adds to the forward, so 8 drafts for each of 8 requests cost more than
+they save; docs/benchmarks.md#fig-config), speculation turns itself off above a batch size, and
+it pauses, with exponential back-off, for a request whose drafts keep failing.
 """
 
 from __future__ import annotations

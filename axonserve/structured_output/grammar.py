@@ -7,7 +7,7 @@ Design, end to end:
   (Lark or GBNF). The OpenAI frontend builds it from `response_format`, vLLM's `guided_*` /
   `structured_outputs` extras and `tool_choice` (structured_output/frontend.py,
   frontends/openai/tools.py).
-- `check()` compiles the spec without a tokenizer (llguidance, ~0.3 ms, cached per spec). It runs
+- `check()` compiles the spec without a tokenizer (llguidance, cheap, cached per spec). It runs
   in `SamplingParams.validate()`, so the frontend (HTTP and offline) turns a bad schema into a
   400 before sending and the engine never holds a grammar that does not compile. The scheduler
   validates every AddRequest too, which then costs a cache hit.

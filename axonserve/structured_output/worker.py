@@ -45,11 +45,12 @@ class GrammarState:
 
 
 def _tokenizer_json_llg(model_dir: str, vocab_size: int, eos_token_ids: list[int]) -> Any | None:
-    """The grammar tokenizer straight from `tokenizer.json` (~0.4 s), without importing
-    transformers (~1.3 s more in a process that never needs it otherwise). None whenever
-    transformers' tokenizer might differ from the file (the transformers path then decides, as the
-    frontend's tokenizer does): no file (GGUF-only directories), an unreadable one, added_tokens.json,
-    configured tokens the file lacks, or pre-tokenizer options transformers applies on load."""
+    """The grammar tokenizer straight from `tokenizer.json`, without importing transformers (most of
+    the build's time, in a process that never needs it otherwise; docs/benchmarks.md#fig-structured-output).
+    None whenever transformers' tokenizer might differ from the file (the transformers path then decides,
+    as the frontend's tokenizer does): no file (GGUF-only directories), an unreadable one,
+    added_tokens.json, configured tokens the file lacks, or pre-tokenizer options transformers applies
+    on load."""
     import json
     import os
 
@@ -95,7 +96,7 @@ class StructuredDecoding:
         self._tokenizer: Any = None  # llguidance.LLTokenizer
         self._tokenizer_error: str | None = None
         self._templates: dict[tuple[str, str, bool], Any] = {}  # fresh matcher per spec, copied per request
-        # the grammar tokenizer takes ~1.5 s to build (mostly imports): on a thread from the start,
+        # the grammar tokenizer takes a while to build (mostly imports): on a thread from the start,
         # so it overlaps the model load, and the first structured request does not stall its step
         self._warm: threading.Thread | None = None
         if enabled and importlib.util.find_spec("llguidance") is not None:
@@ -106,8 +107,8 @@ class StructuredDecoding:
 
     def wait_warm(self, timeout_s: float = 60.0) -> None:
         """Wait for the grammar tokenizer: a worker reports ready only then, since the build holds
-        the GIL and slowed every step of its first ~1.5 s (3-9x at batch 1). Bounded: a stuck
-        build delays structured requests (they join it), not the engine's start."""
+        the GIL and slowed every step while it ran (docs/benchmarks.md#fig-structured-output).
+        Bounded: a stuck build delays structured requests (they join it), not the engine's start."""
         if self._warm is not None:
             self._warm.join(timeout_s)
             if self._warm.is_alive():

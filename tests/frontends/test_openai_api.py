@@ -205,13 +205,14 @@ def test_openapi_describes_every_route(server):
 # --------------------------------------------------------------------------- auth, limits, CORS
 
 
-def test_api_key_guards_v1_routes_only(server):
+def test_api_key_guards_every_route_but_the_probes(server):
     base = server.base_url
-    for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]:
+    for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                         ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/start_profile")]:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             err = _error(httpx.request(method, base + path, headers=headers, json={}), 401)
             assert err["type"] == "AuthenticationError"
-    for path in ("/health", "/version", "/metrics"):
+    for path in ("/health", "/ping", "/version", "/metrics", "/openapi.json"):
         assert httpx.get(base + path).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=base + "/v1", api_key="nope", max_retries=0).models.list()

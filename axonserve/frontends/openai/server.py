@@ -166,7 +166,7 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
               metrics: Callable[[], Awaitable[str]] | None = None, api_key: str | None = None) -> FastAPI:
     """The FastAPI app. `app.state.unhealthy` (a reason string) turns /health to 503.
     `metrics` returns the Prometheus text exposition (the metrics actor's) for `/metrics`.
-    `api_key` (default: from the environment) guards `/v1/*`."""
+    `api_key` (default: from the environment) guards every route but the probes (middleware.py)."""
     app = FastAPI(title="axonserve", version=__version__, docs_url=None, redoc_url=None)
     # added last = outermost: access log, then CORS (so 401/413 carry CORS headers), auth, body limit
     cfg = config or EngineConfig(model="")
@@ -260,6 +260,7 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
     # ------------------------------------------------------------------ routes
 
     @app.get("/health")
+    @app.get("/ping")  # vLLM's (SageMaker's) name for the same probe
     async def health() -> Response:
         reason = unavailable()
         if reason is not None:

@@ -7,7 +7,7 @@ load, after tensor-parallel sharding, and multiplied by torch's CPU weight-only 
   activations, batches of up to 64 rows instead stream the int8 weight through AMX tiles
   (csrc `skinny_int8`: a decode step of SmolLM2 reads 135 MB instead of 270), and larger ones
   (prefill) multiply a oneDNN-packed bf16 copy of the dequantized weight: torch's int8 kernel
-  is ~15x slower than oneDNN there (2,048 rows).
+  is far slower than oneDNN there (docs/benchmarks.md#fig-neuron-quant).
 - int4: asymmetric groups of 32 input columns with a scale and a zero point each, as GGUF's
   Q4_1 does (`_weight_int4pack_mm_for_cpu`, which dequantizes `(q - 8) * scale + zero`).
 Only the dense linears and the LM head are quantized; the embedding table is looked up, not
@@ -90,8 +90,8 @@ class QuantizedWeight:
 
 class PackedWeight:
     """A bf16 weight reordered once into oneDNN's blocked layout (what inductor's CPU freezing
-    does): a plain bf16 gemm re-packs the weight on every call, which on this machine made a
-    batch-32 SmolLM2 step's matmuls 23 ms instead of 16 (same products, bit for bit).
+    does): a plain bf16 gemm re-packs the weight on every call, which made a batch-32 SmolLM2
+    step's matmuls markedly slower (same products, bit for bit; docs/benchmarks.md#fig-neuron-quant).
 
     With AVX512-BF16 a second copy in the native skinny layout serves calls of up to
     `skinny_rows` rows (64 with AMX: a decode batch, a verification; 3 with AVX512-BF16 only):

@@ -1,13 +1,13 @@
 """The Llama decoder stack as one native call (csrc/cpu_kernels.cpp `DecoderStack`).
 
-A decode step of a small model on CPU spends ~150 us per layer in the interpreter and torch's
-dispatch (~15 module calls, views and allocations), ~4.5 ms of a 30-layer SmolLM2 step at any
-batch size, against 13-15 ms of weight streaming. The native stack runs the same kernels in
-the same order (bit-identical outputs) from C++ with the GIL released. It takes the steps whose
-every row attends through the native paged-attention kernel (decodes, verifications, chunks
-under NATIVE_MAX_QUERY tokens) on dense Llama-family models on one rank; anything else (MoE,
-Qwen3's per-head norms, tensor parallelism, snapshot hooks, long prefill chunks) runs the
-Python modules. AXONSERVE_FUSED=0 turns it off.
+A decode step of a small model on CPU spends a fixed cost per layer in the interpreter and torch's
+dispatch (~15 module calls, views and allocations), a sizeable share of a 30-layer SmolLM2 step at
+any batch size next to its weight streaming (docs/benchmarks.md#fig-neuron-fused). The native
+stack runs the same kernels in the same order (bit-identical outputs) from C++ with the GIL
+released. It takes the steps whose every row attends through the native paged-attention kernel
+(decodes, verifications, chunks under NATIVE_MAX_QUERY tokens) on dense Llama-family models on one
+rank; anything else (MoE, Qwen3's per-head norms, tensor parallelism, snapshot hooks, long prefill
+chunks) runs the Python modules. AXONSERVE_FUSED=0 turns it off.
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ class AttentionMetadata:
             # decodes, verifications and short chunks read their keys from the cache in place, one
             # kernel call per layer; chunks of NATIVE_MAX_QUERY+ tokens go to torch's flash SDPA,
             # whose blocked matmuls win once a chunk's queries x keys grow (the kernel's cost is
-            # per query row: a 4,096-token prompt took 13.6 s in it, ~1 s of SDPA)
+            # per query row: docs/benchmarks.md#fig-attention)
             long = np.nonzero(q >= NATIVE_MAX_QUERY)[0]
             rows = np.arange(len(positions))
             if len(long):
@@ -184,8 +184,8 @@ class DecodeRun:
     """Metadata for the forwards of one multi-step plan (`ModelRunner._execute_steps`): every
     block the run writes is allocated before it starts, so the block table is built once and a
     forward only moves the positions on (with argmax-only sampling for greedy batches, a
-    null-model forward's loop at 32 rows went 92 -> 36 us against `build` each forward). The
-    sequences come longest run first: forward s takes the first m of them."""
+    null-model forward's loop ran faster than with `build` each forward: docs/benchmarks.md#fig-attention).
+    The sequences come longest run first: forward s takes the first m of them."""
 
     def __init__(self, context_lens: list[int], block_tables: list[list[int]], steps: list[int], block_size: int,
                  native: ModuleType | None = None):
@@ -277,7 +277,8 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, scales: torch.Tensor | None = None,
                    dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Whole blocks as contiguous rows: index_select on a 2-D view is ~2x faster than fancy indexing.
+    """Whole blocks as contiguous rows: index_select on a 2-D view beats fancy indexing
+    (docs/benchmarks.md#fig-attention).
     An int8 cache comes back dequantized (codes x their row's scale) in `dtype`."""
     rows = cache.view(cache.shape[0], -1).index_select(0, block_ids)
     if scales is None:
@@ -365,7 +366,7 @@ def _prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
               v_scale: torch.Tensor | None = None) -> None:
     """The prefill chunks, one SDPA each (a first chunk attends to its own new K/V directly).
     Inputs are 4-D ([1, heads, tokens, D]): torch's CPU SDPA takes its flash kernel only then, and
-    its math path for 3-D inputs (a 1,024-token chunk: 2.9 vs 56 ms per layer)."""
+    its much slower math path for 3-D inputs (docs/benchmarks.md#fig-attention)."""
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     for p in meta.prefills:
         qp = q[p.start : p.end].transpose(0, 1)[None]

@@ -60,7 +60,8 @@ def collect(model_dir: str, jobs: list[tuple[Prompt, float]], max_new_tokens: in
     ids = encode_prompts(model_dir, [p for p, _ in jobs])
     t0 = time.perf_counter()
     # the precision the engine serves by default (--dtype auto), so the head learns the features and
-    # greedy choices it will be handed; bf16 is also ~3x faster than fp32 here (feature passes dominated)
+    # greedy choices it will be handed; bf16 is also faster than fp32 (feature passes dominated;
+    # docs/benchmarks.md#fig-speculative-training)
     dtype = engine_kwargs.get("dtype", "auto")
     recorder = FeatureRecorder(model_dir, dtype=getattr(torch, resolve_dtype(model_dir) if dtype == "auto" else dtype))
     llm = LLM(model_dir, **engine_kwargs)

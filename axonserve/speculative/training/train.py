@@ -52,8 +52,9 @@ class TrainConfig:
     noise: float = 0.1  # uniform noise half-width on input features
     grad_clip: float = 0.5
     seed: int = 0
-    # bf16 autocast where the CPU has native bf16 (weights and AdamW state stay fp32): ~3x the
-    # optimiser steps per CPU-minute, and data, not precision, is what the head lacks
+    # bf16 autocast where the CPU has native bf16 (weights and AdamW state stay fp32): more optimiser
+    # steps per CPU-minute (docs/benchmarks.md#fig-speculative-training), and data, not precision, is
+    # what the head lacks
     mixed_precision: bool = True
 
 
