@@ -163,13 +163,12 @@ def requested_task(task: str, runner: str) -> str:
 
 def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
     from axonserve.neuron.model_source import resolve_model
-    from axonserve.neuron.pooling import resolve_task
 
     model_dir = resolve_model(args.model)
     return EngineConfig(
         model=model_dir,
         served_model_name=args.served_model_name or args.model,
-        task=resolve_task(model_dir, requested_task(args.task, args.runner)),
+        task=requested_task(args.task, args.runner),  # resolved against the model by EngineConfig
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

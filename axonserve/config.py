@@ -5,6 +5,8 @@ It travels to child processes as JSON on their command line (msgspec, never pick
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 
 
@@ -118,7 +120,6 @@ def resolve_dtype(model_dir: str) -> str:
     casts it to bfloat16 too). Float32 checkpoints stay float32 (vLLM would downcast them;
     `--dtype bfloat16` trades transformers' reference precision for speed)."""
     import json
-    import os
 
     try:
         with open(os.path.join(model_dir, "config.json")) as f:
@@ -161,7 +162,9 @@ KV_CACHE_DTYPES = ("auto", "int8")
 class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str  # resolved model directory (config.json, weights, tokenizer)
     served_model_name: str = ""
-    task: str = "auto"  # generate | embed (pooling: whole prompt in one step, one vector); auto: from the model
+    # generate | embed (pooling: whole prompt in one step, one vector); auto: from the model. Resolved (and
+    # checked against the model) here, once, when the config is made: every actor reads the concrete task
+    task: str = "auto"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -271,6 +274,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     def __post_init__(self) -> None:
         if self.dtype == "auto":  # resolved once here: every actor gets the concrete dtype
             self.dtype = resolve_dtype(self.model)
+        if os.path.isdir(self.model):  # auto (or vLLM's "embedding"): from the model; a task it cannot serve: here
+            from axonserve.neuron.pooling import resolve_task  # (reads config.json; no torch)
+
+            self.task = resolve_task(self.model, self.task)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; supported: "
                              f"{', '.join(KV_CACHE_DTYPES)}")

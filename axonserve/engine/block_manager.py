@@ -120,7 +120,3 @@ class BlockManager:
         req.block_ids = []
         req.num_blocks_sent = 0
         req.num_cached_blocks = 0
-
-    def reset_prefix_cache(self) -> None:
-        self.cached.clear()
-        self.block_hash = [None] * self.num_blocks

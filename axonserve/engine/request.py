@@ -25,7 +25,6 @@ class Status(enum.IntEnum):
 class Request:
     __slots__ = (
         "request_id",
-        "client",
         "params",
         "token_ids",
         "num_prompt_tokens",
@@ -66,7 +65,6 @@ class Request:
     def __init__(
         self,
         request_id: str,
-        client: bytes,
         prompt_token_ids: list[int],
         params: SamplingParams,
         max_model_len: int,
@@ -75,7 +73,6 @@ class Request:
         pooling: PoolingParams | None = None,
     ):
         self.request_id = request_id
-        self.client = client
         self.params = params
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

@@ -223,18 +223,11 @@ class Scheduler:
             else:
                 k = min(len(req.spec_token_ids), budget - 1) if n == 1 else 0  # drafts ride along
             n += k
-            while not self.blocks.ensure(req, req.num_computed_tokens + n):
-                victim = self._pick_victim()
-                for i, (r, rn) in enumerate(scheduled):
-                    if r is victim:  # scheduled earlier this step: take it back
-                        del scheduled[i]
-                        budget += rn
-                        break
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    break
-            if req.status != Status.RUNNING:
+            before = self.num_preemptions
+            running, freed = self._grow(req, n, scheduled)
+            budget += freed
+            preempted = preempted or self.num_preemptions > before
+            if not running:
                 continue
             req.num_spec_scheduled = k if steps == 1 else 0
             scheduled.append((req, n))

@@ -31,7 +31,6 @@ from axonserve.engine.stage import recv_before
 from axonserve.engine.step import Step, StepStatsPublisher, pooled_rows, result_problem
 from axonserve.multimodal.scheduler import ImageSpec, check_images
 from axonserve.multimodal.stage import EncoderStage
-from axonserve.neuron.pooling import resolve_task
 from axonserve.protocol import ClientToEngine, Codec, DecodeError, TensorRef
 from axonserve.protocol.messages import (
     AbortRequest,
@@ -100,7 +99,7 @@ class SchedulerActor(Actor):
         """The scheduling policy, sized by what the workers measured (KV blocks, vocabulary)."""
         cfg = self.config
         max_len = int(info["max_model_len"])
-        task = resolve_task(cfg.model, cfg.task)
+        task = cfg.task  # (resolved by EngineConfig)
         embed = task == "embed"  # an encoder: no KV pool, every prompt runs whole in one step
         buckets = BucketConfig.from_engine_config(cfg, max_len) if cfg.bucketing else None
         pool_tokens = int(info["num_kv_blocks"]) * cfg.block_size
@@ -281,7 +280,7 @@ class SchedulerActor(Actor):
         except ParamError as e:
             await self.reply(ident, reject(str(e)))
             return
-        req = Request(msg.request_id, ident, msg.prompt_token_ids, msg.params, self.sched.cfg.max_model_len,
+        req = Request(msg.request_id, msg.prompt_token_ids, msg.params, self.sched.cfg.max_model_len,
                       priority=msg.priority, arrival_time=msg.arrival_time or None, pooling=msg.pooling)
         req.kv_export = msg.kv_export and self.config.role == "prefill"
         why = self.sched.check(req)

@@ -79,8 +79,9 @@ MAX_N = 128  # choices per request (OpenAI's bound): n fans out into n engine re
 
 
 @dataclass(slots=True)
-class RequestOutput:
-    """One step of one choice: the new tokens/text plus running totals."""
+class StreamOutput:
+    """One step of one choice: the new tokens/text plus running totals (the offline API's
+    `RequestOutput`, vLLM's shape, is a whole finished request)."""
 
     request_id: str
     index: int  # choice index (n > 1 fans out into n engine requests)
@@ -224,18 +225,31 @@ class AsyncEngineClient:
         params: SamplingParams,
         request_id: str | None = None,
         images: PromptImages | None = None,
-    ) -> AsyncGenerator[RequestOutput, None]:
+    ) -> AsyncGenerator[StreamOutput, None]:
         """Validate now (ParamError / EngineDeadError raised here, before any await), then
         return an async iterator of outputs. Leaving the iteration early (break, cancel,
         aclose) aborts the request on the engine. `images`: a vision-language prompt's images
         (multimodal/frontend.py), whose placeholder runs `prompt` already holds."""
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return self.generate_batch([prompt_ids], params, request_id or uuid.uuid4().hex, images)[0]
+
+    def generate_batch(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                       images: PromptImages | None = None) -> list[AsyncGenerator[StreamOutput, None]]:
+        """Several prompts with the same parameters (a completions request's batch): every prompt is
+        validated before any starts (prompts x n within the engine's fan-out bound), then one
+        generation each, `request_id` (`<request_id>-p<j>` with several prompts). `images`: one prompt's."""
         if self.dead:
             raise EngineDeadError(self.dead_reason or "engine is dead")
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        request_id = request_id or uuid.uuid4().hex
-        subs = self._fan_out(prompt_ids, params)
-        self._refuse_in_flight(request_id)
-        return self._stream(request_id, prompt_ids, subs, images)
+        fanout = self.info.limits.max_fanout
+        if len(prompts) * params.n > fanout:
+            raise ParamError("n" if len(prompts) == 1 else "prompt",
+                             f"a request may start at most {fanout} generations (prompts x n); "
+                             f"this one asks for {len(prompts)} x {params.n}")
+        subs = [self._fan_out(ids, params) for ids in prompts]
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-p{j}" for j in range(len(prompts))]
+        for rid in ids:
+            self._refuse_in_flight(rid)
+        return [self._stream(rid, p, s, images if len(prompts) == 1 else None) for rid, p, s in zip(ids, prompts, subs)]
 
     def _refuse_in_flight(self, request_id: str) -> None:
         """A client-chosen id (the API's `request_id`) may not name a request in flight here: its
@@ -393,7 +407,7 @@ class AsyncEngineClient:
 
     async def _stream(
         self, request_id: str, prompt_ids: list[int], subs: list[SamplingParams], images: PromptImages | None = None
-    ) -> AsyncGenerator[RequestOutput, None]:
+    ) -> AsyncGenerator[StreamOutput, None]:
         req = _Request()
         for i, (cid, p) in enumerate(zip(_engine_ids(request_id, len(subs)), subs)):
             detok = IncrementalDetokenizer(
@@ -435,7 +449,7 @@ class AsyncEngineClient:
 
     def _process(
         self, request_id: str, choice: _Choice, delta: RequestDelta, num_prompt: int
-    ) -> RequestOutput:
+    ) -> StreamOutput:
         engine_stop = delta.finish_reason == "stop"
         d = choice.detok.step(
             delta.new_token_ids, finished=delta.finish_reason is not None,
@@ -447,7 +461,7 @@ class AsyncEngineClient:
             finish, stop_reason = "stop", d.stop_string
         else:
             finish, stop_reason = delta.finish_reason, delta.stop_reason
-        return RequestOutput(
+        return StreamOutput(
             request_id=request_id, index=choice.index, text=d.text,
             output_text=choice.detok.text, token_ids=token_ids, logprobs=logprobs,
             finish_reason=finish, stop_reason=stop_reason,
@@ -553,4 +567,4 @@ async def _fetch_info(sock: zmq.asyncio.Socket) -> EngineInfo:
                 raise EngineDeadError(f"engine died: {msg.reason}")
 
 
-__all__ = ["AsyncEngineClient", "EmbeddingOutput", "EngineDeadError", "RequestError", "RequestOutput", "SamplingParams"]
+__all__ = ["AsyncEngineClient", "EmbeddingOutput", "EngineDeadError", "RequestError", "StreamOutput", "SamplingParams"]

@@ -74,9 +74,6 @@ class LLM:
                 kwargs["speculative"] = SpeculativeConfig.parse(kwargs.pop("speculative_config"))
             kwargs.setdefault("dtype", "auto")  # vLLM's default: the checkpoint's precision
             config = EngineConfig(model=resolve_model(model), served_model_name=name, **kwargs)
-        from axonserve.neuron.pooling import resolve_task
-
-        resolve_task(config.model, config.task)  # a task the model cannot serve fails here, not in a worker
         self.config = config
         # request ids never repeat within an engine: an id() of a freed object would, and a late
         # abort of a finished request (a stop string found after the scheduler ran past it) would

@@ -38,7 +38,6 @@ from axonserve.neuron.parallel import (
     tp_broadcast_ragged,
     tp_min,
 )
-from axonserve.neuron.pooling import resolve_task
 from axonserve.neuron.sampler import Sampler, greedy_ids
 from axonserve.neuron.snapshot import StepSnapshots, contiguous_rows, padded_rows
 from axonserve.protocol import tensor_ref
@@ -98,7 +97,7 @@ class ModelRunner:
                              timeout_s=config.dist_timeout_s)
         mc = ModelConfig.from_dir(config.model)
         self.max_model_len = mc.max_model_len_for(config.max_model_len)
-        self.task = resolve_task(config.model, config.task)
+        self.task = config.task  # (resolved by EngineConfig)
         if self.task == "embed":
             _check_encoder_config(config, mc, self.max_model_len)
         self.buckets: BucketConfig | None = None

@@ -70,7 +70,7 @@ def test_runner_in_process_matches_reference_and_stays_in_buckets(tiny_llama_dir
     while pending or s.has_work:
         while pending and pending[0][0] <= step // 3:  # a new arrival every 3 steps
             i, p = pending.pop(0)
-            r = Request(f"r{i}", b"c", p, params, runner.max_model_len)
+            r = Request(f"r{i}", p, params, runner.max_model_len)
             assert s.check(r) is None
             s.add(r)
         plan = s.schedule()

@@ -15,7 +15,7 @@ def make(task="embed", budget=32, max_seqs=8, max_len=16, num_blocks=0) -> Sched
 
 
 def embed_req(rid: str, n: int) -> Request:
-    return Request(rid, b"c", list(range(10, 10 + n)), SamplingParams(max_tokens=1), 16, pooling=PoolingParams())
+    return Request(rid, list(range(10, 10 + n)), SamplingParams(max_tokens=1), 16, pooling=PoolingParams())
 
 
 def pooled(plan: StepPlan) -> StepResult:
@@ -53,14 +53,14 @@ def test_pooling_prompt_limits():
     assert s.check(embed_req("full", 16)) is None  # an encoder may use every position
     why = s.check(embed_req("long", 17))
     assert why is not None and "16 tokens" in why and "17 input tokens" in why
-    bad = Request("v", b"c", [5, 100], SamplingParams(), 16, pooling=PoolingParams())
+    bad = Request("v", [5, 100], SamplingParams(), 16, pooling=PoolingParams())
     assert "vocabulary" in (s.check(bad) or "")
     small = make(max_len=16, budget=8)
     assert "never split" in (small.check(embed_req("x", 9)) or "")
 
 
 def test_wrong_task_requests_are_refused():
-    gen = Request("g", b"c", [10, 11, 12], SamplingParams(max_tokens=4), 16)
+    gen = Request("g", [10, 11, 12], SamplingParams(max_tokens=4), 16)
     assert "does not generate text" in (make("embed").check(gen) or "")
     assert "does not produce embeddings" in (make("generate", num_blocks=16).check(embed_req("e", 3)) or "")
 

@@ -32,7 +32,7 @@ def make(num_blocks=64, block_size=4, budget=64, max_seqs=8, max_len=128, **kw) 
 def req(rid, n, prefix=(), priority=0, **params) -> Request:
     p = SamplingParams(**{"temperature": 0.0, "max_tokens": 8, **params})
     toks = list(prefix) + list(range(10, 10 + n))
-    return Request(rid, b"c", toks, p, max_model_len=128, priority=priority)
+    return Request(rid, toks, p, max_model_len=128, priority=priority)
 
 
 class Worker:
@@ -185,7 +185,7 @@ def test_rejects_what_can_never_run():
     assert "maximum context length is 16" in s.check(req("x", 16))
     assert "KV blocks" in s.check(req("y", 12))
     assert s.check(req("ok", 5)) is None
-    bad = Request("v", b"c", [5, 100], SamplingParams(), max_model_len=16)
+    bad = Request("v", [5, 100], SamplingParams(), max_model_len=16)
     assert "vocabulary" in s.check(bad)
 
 

@@ -59,7 +59,7 @@ def run(model_dir: str, reqs: list[tuple[str, list[int], SamplingParams]], num_k
         max_num_seqs=16, max_num_batched_tokens=64, max_model_len=512, block_size=block_size,
         num_kv_blocks=num_kv_blocks, vocab_size=runner.vocab_size, eos_token_ids=frozenset(runner.eos_token_ids)))
     for rid, prompt, params in reqs:
-        sched.add(Request(rid, b"c", prompt, params.validate(), max_model_len=512))
+        sched.add(Request(rid, prompt, params.validate(), max_model_len=512))
     outs: dict[str, list[int]] = {}
     finish: dict[str, str] = {}
     logprobs: dict[str, list] = {}

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from axonserve import __version__
 from axonserve.config import EngineConfig
 from axonserve.frontends.chat_template import render_bounded, request_template
-from axonserve.frontends.client import AsyncEngineClient, EngineDeadError, RequestError, RequestOutput
+from axonserve.frontends.client import AsyncEngineClient, EngineDeadError, RequestError, StreamOutput
 from axonserve.frontends.openai.embeddings import EmbeddingRequest, create_embeddings
 from axonserve.frontends.openai.middleware import ApiKeyAuth, BodyLimit, api_key_from_env
 from axonserve.frontends.openai.protocol import (
@@ -243,19 +243,11 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
                                        limits.max_structured_output_bytes)
 
     def start(prompts: list[list[int]], params: SamplingParams, rid: str,
-              images: PromptImages | None = None) -> list[AsyncGenerator[RequestOutput, None]]:
+              images: PromptImages | None = None) -> list[AsyncGenerator[StreamOutput, None]]:
         reason = unavailable()
         if reason is not None:
             raise EngineDeadError(reason)
-        if len(prompts) * params.n > limits.max_fanout:
-            raise ParamError("n" if len(prompts) == 1 else "prompt",
-                             f"a request may start at most {limits.max_fanout} generations (prompts x n); "
-                             f"this one asks for {len(prompts)} x {params.n}")
-        for ids in prompts:  # validate all before starting any
-            client.validate(ids, params)
-        if len(prompts) == 1:
-            return [client.generate(prompts[0], params, request_id=rid, images=images)]
-        return [client.generate(ids, params, request_id=f"{rid}-p{j}") for j, ids in enumerate(prompts)]
+        return client.generate_batch(prompts, params, rid, images)  # validated there, once
 
     # ------------------------------------------------------------------ routes
 
@@ -391,14 +383,14 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
     return app
 
 
-async def _first_output(stream: AsyncGenerator[RequestOutput, None]) -> RequestOutput | None:
+async def _first_output(stream: AsyncGenerator[StreamOutput, None]) -> StreamOutput | None:
     try:
         return await anext(stream)
     except StopAsyncIteration:
         return None
 
 
-async def _stream_response(raw: Request, fmt: "_Format", streams: list[AsyncGenerator[RequestOutput, None]],
+async def _stream_response(raw: Request, fmt: "_Format", streams: list[AsyncGenerator[StreamOutput, None]],
                            n: int, include_usage: bool) -> Response:
     """Wait for a single stream's first output before committing to HTTP 200, so a request
     the engine rejects at once (overload 503, bad input 400) gets a real status code. While it
@@ -416,8 +408,8 @@ async def _stream_response(raw: Request, fmt: "_Format", streams: list[AsyncGene
     return _sse(fmt, streams, n, include_usage)
 
 
-async def _prepend(first: RequestOutput | None, rest: AsyncGenerator[RequestOutput, None]
-                   ) -> AsyncGenerator[RequestOutput, None]:
+async def _prepend(first: StreamOutput | None, rest: AsyncGenerator[StreamOutput, None]
+                   ) -> AsyncGenerator[StreamOutput, None]:
     async with aclosing(rest):
         if first is not None:
             yield first
@@ -439,7 +431,7 @@ class _Format:
         self.prompts, self.n = prompts, params.n
         self.created = int(time.time())
 
-    def prompt_logprob_list(self, index: int, out: RequestOutput) -> PromptLogprobList | None:
+    def prompt_logprob_list(self, index: int, out: StreamOutput) -> PromptLogprobList | None:
         """vLLM's `prompt_logprobs`: None for the first prompt token, then {id: logprob} with
         the prompt token and the top alternatives."""
         if out.prompt_logprobs is None or self.params.prompt_logprobs is None:
@@ -456,17 +448,17 @@ class _Format:
     def first_chunks(self, num_choices: int) -> list[str]:
         return []
 
-    def chunk(self, index: int, out: RequestOutput) -> str | None:
+    def chunk(self, index: int, out: StreamOutput) -> str | None:
         raise NotImplementedError
 
     def usage_chunk(self, usage: UsageInfo) -> str:
         raise NotImplementedError
 
-    def response(self, outs: dict[int, list[RequestOutput]], usage: UsageInfo) -> Any:
+    def response(self, outs: dict[int, list[StreamOutput]], usage: UsageInfo) -> Any:
         raise NotImplementedError
 
-    async def full(self, streams: list[AsyncGenerator[RequestOutput, None]], n: int) -> Response:
-        outs: dict[int, list[RequestOutput]] = {}
+    async def full(self, streams: list[AsyncGenerator[StreamOutput, None]], n: int) -> Response:
+        outs: dict[int, list[StreamOutput]] = {}
         usage = _Usage()
         async for j, out in _merge(streams):
             if out.finish_reason == "error":
@@ -476,7 +468,7 @@ class _Format:
         body = self.response(dict(sorted(outs.items())), usage.info())
         return JSONResponse(body.model_dump(mode="json"))
 
-    def token_logprobs(self, out: RequestOutput) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    def token_logprobs(self, out: StreamOutput) -> list[tuple[str, float, list[tuple[str, float]]]]:
         """(token text, logprob, top alternatives) for each new token."""
         if out.logprobs is None:
             return []
@@ -497,7 +489,7 @@ class _CompletionFormat(_Format):
         self._echoed: set[int] = set()
         self._offsets: dict[int, int] = {}
 
-    def _echo_prefix(self, index: int, out: RequestOutput) -> tuple[str, CompletionLogprobs | None]:
+    def _echo_prefix(self, index: int, out: StreamOutput) -> tuple[str, CompletionLogprobs | None]:
         """The prompt, once per choice, when echo is on; its token logprobs when logprobs is set
         (the first prompt token has none, like OpenAI's)."""
         if self.echo is None or index in self._echoed:
@@ -518,7 +510,7 @@ class _CompletionFormat(_Format):
         self._offsets[index] = offset
         return text, lp
 
-    def logprobs(self, index: int, out: RequestOutput) -> CompletionLogprobs | None:
+    def logprobs(self, index: int, out: StreamOutput) -> CompletionLogprobs | None:
         if self.params.logprobs is None:
             return None
         lp = CompletionLogprobs()
@@ -532,7 +524,7 @@ class _CompletionFormat(_Format):
         self._offsets[index] = offset
         return lp
 
-    def chunk(self, index: int, out: RequestOutput) -> str | None:
+    def chunk(self, index: int, out: StreamOutput) -> str | None:
         prefix, echo_lp = self._echo_prefix(index, out)
         text = prefix + out.text
         if not (text or out.finished or self.params.logprobs is not None or out.prompt_logprobs):
@@ -548,7 +540,7 @@ class _CompletionFormat(_Format):
         return CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[],
                                   usage=usage).model_dump_json()
 
-    def response(self, outs: dict[int, list[RequestOutput]], usage: UsageInfo) -> CompletionResponse:
+    def response(self, outs: dict[int, list[StreamOutput]], usage: UsageInfo) -> CompletionResponse:
         choices = []
         for index, steps in outs.items():
             prefix, merged = self._echo_prefix(index, steps[0])
@@ -576,7 +568,7 @@ class _ChatFormat(_Format):
         super().__init__(*args)
         self.tools = tools
 
-    def logprobs(self, out: RequestOutput) -> ChatLogprobs | None:
+    def logprobs(self, out: StreamOutput) -> ChatLogprobs | None:
         if self.params.logprobs is None:
             return None
         return ChatLogprobs(content=[
@@ -595,7 +587,7 @@ class _ChatFormat(_Format):
         return [self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
                 for i in range(num_choices)]
 
-    def chunk(self, index: int, out: RequestOutput) -> str | None:
+    def chunk(self, index: int, out: StreamOutput) -> str | None:
         text, calls, finish = out.text, None, out.finish_reason
         if self.tools is not None:
             text, calls, finish = self.tools.delta(index, out.text, out.finish_reason)
@@ -608,7 +600,7 @@ class _ChatFormat(_Format):
     def usage_chunk(self, usage: UsageInfo) -> str:
         return self._chunk([], usage)
 
-    def response(self, outs: dict[int, list[RequestOutput]], usage: UsageInfo) -> ChatCompletionResponse:
+    def response(self, outs: dict[int, list[StreamOutput]], usage: UsageInfo) -> ChatCompletionResponse:
         choices = []
         for index, steps in outs.items():
             last = steps[-1]
@@ -631,7 +623,7 @@ class _Usage:
         self.prompt: dict[int, int] = {}
         self.completion = 0
 
-    def add(self, prompt_index: int, out: RequestOutput) -> None:
+    def add(self, prompt_index: int, out: StreamOutput) -> None:
         self.prompt[prompt_index] = out.num_prompt_tokens
         if out.finished:
             self.completion += out.num_output_tokens
@@ -652,7 +644,7 @@ class _Usage:
 # --------------------------------------------------------------------------- streaming
 
 
-def _sse(fmt: _Format, streams: list[AsyncGenerator[RequestOutput, None]], n: int,
+def _sse(fmt: _Format, streams: list[AsyncGenerator[StreamOutput, None]], n: int,
          include_usage: bool) -> StreamingResponse:
     async def events() -> AsyncIterator[str]:
         usage = _Usage()
@@ -682,7 +674,7 @@ def _sse(fmt: _Format, streams: list[AsyncGenerator[RequestOutput, None]], n: in
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-async def _merge(streams: list[AsyncGenerator[RequestOutput, None]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merge(streams: list[AsyncGenerator[StreamOutput, None]]) -> AsyncIterator[tuple[int, StreamOutput]]:
     """Interleave several requests' outputs as (prompt index, output); closing the merge
     closes (so aborts) every stream."""
     if len(streams) == 1:
@@ -690,9 +682,9 @@ async def _merge(streams: list[AsyncGenerator[RequestOutput, None]]) -> AsyncIte
             async for out in s:
                 yield 0, out
         return
-    q: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+    q: asyncio.Queue[tuple[int, StreamOutput | BaseException | None]] = asyncio.Queue()
 
-    async def pump(j: int, s: AsyncGenerator[RequestOutput, None]) -> None:
+    async def pump(j: int, s: AsyncGenerator[StreamOutput, None]) -> None:
         try:
             async with aclosing(s):
                 async for out in s:
