@@ -21,112 +21,262 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                   help="model directory, .gguf file, SmolLM2-135M-Instruct (default) or all-MiniLM-L6-v2")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=DEFAULT_MODEL,
+        help="model directory, .gguf file, SmolLM2-135M-Instruct (default) or all-MiniLM-L6-v2",
+    )
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--task", default="auto", choices=["auto", "generate", "embed", "embedding"],
-                   help="generate (causal LM) or embed (pooling: one vector per input, POST /v1/embeddings); "
-                        "auto: from the model (BertModel / sentence-transformers files -> embed)")
-    p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
-                   help="vLLM's spelling of --task: pooling = embed")
+    p.add_argument(
+        "--task",
+        default="auto",
+        choices=["auto", "generate", "embed", "embedding"],
+        help="generate (causal LM) or embed (pooling: one vector per input, POST /v1/embeddings); "
+        "auto: from the model (BertModel / sentence-transformers files -> embed)",
+    )
+    p.add_argument(
+        "--runner",
+        default="auto",
+        choices=["auto", "generate", "pooling"],
+        help="vLLM's spelling of --task: pooling = embed",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory-fraction", type=float, default=0.1,
-                   help="fraction of available memory for the KV pool when --num-kv-blocks is unset")
+    p.add_argument(
+        "--kv-cache-memory-fraction",
+        type=float,
+        default=0.1,
+        help="fraction of available memory for the KV pool when --num-kv-blocks is unset",
+    )
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
-                   help="plan the next step while the current one runs (ignored with speculative decoding, "
-                        "bucketing and P/D disaggregation)")
-    p.add_argument("--num-scheduler-steps", type=int, default=1,
-                   help="multi-step decoding: a pure-decode batch runs up to N forwards per plan (less engine "
-                        "overhead per token; tokens stream N at a time, arrivals wait up to N-1 forwards)")
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="plan the next step while the current one runs (ignored with speculative decoding, "
+        "bucketing and P/D disaggregation)",
+    )
+    p.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=1,
+        help="multi-step decoding: a pure-decode batch runs up to N forwards per plan (less engine "
+        "overhead per token; tokens stream N at a time, arrivals wait up to N-1 forwards)",
+    )
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    p.add_argument("--max-waiting", type=int, default=1024,
-                   help="bound on queued requests; beyond it requests get HTTP 503 (0: unbounded)")
-    p.add_argument("--max-waiting-tokens", type=int, default=1 << 20,
-                   help="bound on the prompt tokens of queued requests; beyond it HTTP 503 (0: unbounded)")
-    p.add_argument("--request-timeout", type=float, default=0.0, metavar="SECONDS", dest="request_timeout_s",
-                   help="a request older than this ends with an error (HTTP 408) and frees its KV cache (0: none)")
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        help="bound on queued requests; beyond it requests get HTTP 503 (0: unbounded)",
+    )
+    p.add_argument(
+        "--max-waiting-tokens",
+        type=int,
+        default=1 << 20,
+        help="bound on the prompt tokens of queued requests; beyond it HTTP 503 (0: unbounded)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        dest="request_timeout_s",
+        help="a request older than this ends with an error (HTTP 408) and frees its KV cache (0: none)",
+    )
     lim = RequestLimits()
-    p.add_argument("--max-request-fanout", type=int, default=lim.max_fanout, dest="max_fanout",
-                   help="generations one request may start: prompts x n (embeddings: inputs)")
+    p.add_argument(
+        "--max-request-fanout",
+        type=int,
+        default=lim.max_fanout,
+        dest="max_fanout",
+        help="generations one request may start: prompts x n (embeddings: inputs)",
+    )
     p.add_argument("--max-stop-strings", type=int, default=lim.max_stop_strings)
     p.add_argument("--max-stop-string-chars", type=int, default=lim.max_stop_string_chars)
-    p.add_argument("--max-logit-bias", type=int, default=lim.max_logit_bias,
-                   help="entries in logit_bias (and in stop_token_ids)")
-    p.add_argument("--max-structured-output-bytes", type=int, default=lim.max_structured_output_bytes,
-                   help="size of a JSON schema, regex, grammar or choice list (tools with tool_choice too)")
+    p.add_argument(
+        "--max-logit-bias", type=int, default=lim.max_logit_bias, help="entries in logit_bias (and in stop_token_ids)"
+    )
+    p.add_argument(
+        "--max-structured-output-bytes",
+        type=int,
+        default=lim.max_structured_output_bytes,
+        help="size of a JSON schema, regex, grammar or choice list (tools with tool_choice too)",
+    )
     p.add_argument("--max-tools", type=int, default=lim.max_tools, help="tools in one chat request")
     p.add_argument("--max-request-id-chars", type=int, default=lim.max_request_id_chars)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="auto: the checkpoint's precision; 16-bit and quantized (GGUF) checkpoints run in "
-                        "bfloat16 where the CPU has native bf16, float32 checkpoints stay float32")
-    p.add_argument("--quantization", "-q", default="", choices=["", *QUANTIZATIONS],
-                   help="weight-only quantization of the linear layers and LM head (approximate outputs)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="KV cache storage: auto = the model's dtype; int8 = per-(token, head) scaled codes, half "
-                        "the bytes attention reads (approximate outputs)")
-    p.add_argument("--num-workers", "--tensor-parallel-size", "-tp", type=int, default=1, dest="num_workers",
-                   help="worker ranks (tensor parallel over gloo)")
-    p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="MoE: split the experts over the ranks (all-to-all dispatch) instead of sharding each")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="auto: the checkpoint's precision; 16-bit and quantized (GGUF) checkpoints run in "
+        "bfloat16 where the CPU has native bf16, float32 checkpoints stay float32",
+    )
+    p.add_argument(
+        "--quantization",
+        "-q",
+        default="",
+        choices=["", *QUANTIZATIONS],
+        help="weight-only quantization of the linear layers and LM head (approximate outputs)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="KV cache storage: auto = the model's dtype; int8 = per-(token, head) scaled codes, half "
+        "the bytes attention reads (approximate outputs)",
+    )
+    p.add_argument(
+        "--num-workers",
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        dest="num_workers",
+        help="worker ranks (tensor parallel over gloo)",
+    )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="MoE: split the experts over the ranks (all-to-all dispatch) instead of sharding each",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bucketing", action=argparse.BooleanOptionalAction, default=False,
-                   help="Neuron bucketing mode: pure prefill or pure decode steps, padded to "
-                        "static bucket shapes (off by default on CPU)")
-    p.add_argument("--context-batch-buckets", type=parse_buckets, default=[], metavar="N,N,...",
-                   help="prefill batch-size buckets (default: powers of two up to min(max_num_seqs, 8))")
-    p.add_argument("--context-len-buckets", type=parse_buckets, default=[], metavar="N,N,...",
-                   help="prefill chunk-length buckets (default: powers of two from 16 up to "
-                        "min(max_num_batched_tokens, max_model_len))")
-    p.add_argument("--decode-batch-buckets", type=parse_buckets, default=[], metavar="N,N,...",
-                   help="decode batch-size buckets (default: powers of two up to max_num_seqs)")
-    p.add_argument("--decode-len-buckets", type=parse_buckets, default=[], metavar="N,N,...",
-                   help="KV-length buckets for both phases (default: powers of two from 128 up "
-                        "to max_model_len); max_model_len is capped at the largest")
-    p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
-                   help='speculative decoding, vLLM\'s shape: {"method": "ngram"|"eagle"|"draft_model", '
-                        '"num_speculative_tokens": 3 (eagle: 8, a draft tree), "model": HEAD_DIR, '
-                        '"tree_width": 4, "tree_depth": 4, "prompt_lookup_max": 3, "disable_by_batch_size": 8, '
-                        '"max_verify_rows": 24}')
-    p.add_argument("--encoder-workers", type=int, default=0, metavar="N",
-                   help="vision-language models: N encoder processes (vision tower + projector) behind a "
-                        "router actor that caches image features; 0: the worker ranks encode images")
+    p.add_argument(
+        "--bucketing",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Neuron bucketing mode: pure prefill or pure decode steps, padded to "
+        "static bucket shapes (off by default on CPU)",
+    )
+    p.add_argument(
+        "--context-batch-buckets",
+        type=parse_buckets,
+        default=[],
+        metavar="N,N,...",
+        help="prefill batch-size buckets (default: powers of two up to min(max_num_seqs, 8))",
+    )
+    p.add_argument(
+        "--context-len-buckets",
+        type=parse_buckets,
+        default=[],
+        metavar="N,N,...",
+        help="prefill chunk-length buckets (default: powers of two from 16 up to "
+        "min(max_num_batched_tokens, max_model_len))",
+    )
+    p.add_argument(
+        "--decode-batch-buckets",
+        type=parse_buckets,
+        default=[],
+        metavar="N,N,...",
+        help="decode batch-size buckets (default: powers of two up to max_num_seqs)",
+    )
+    p.add_argument(
+        "--decode-len-buckets",
+        type=parse_buckets,
+        default=[],
+        metavar="N,N,...",
+        help="KV-length buckets for both phases (default: powers of two from 128 up "
+        "to max_model_len); max_model_len is capped at the largest",
+    )
+    p.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s shape: {"method": "ngram"|"eagle"|"draft_model", '
+        '"num_speculative_tokens": 3 (eagle: 8, a draft tree), "model": HEAD_DIR, '
+        '"tree_width": 4, "tree_depth": 4, "prompt_lookup_max": 3, "disable_by_batch_size": 8, '
+        '"max_verify_rows": 24}',
+    )
+    p.add_argument(
+        "--encoder-workers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="vision-language models: N encoder processes (vision tower + projector) behind a "
+        "router actor that caches image features; 0: the worker ranks encode images",
+    )
     p.add_argument("--encoder-cache-mb", type=int, default=256, help="the encoder router's image-feature cache")
-    p.add_argument("--allowed-media-domains", nargs="*", default=[], metavar="HOST",
-                   help="hosts image_url may fetch http(s) images from ('*': any); default: data: URLs only")
+    p.add_argument(
+        "--allowed-media-domains",
+        nargs="*",
+        default=[],
+        metavar="HOST",
+        help="hosts image_url may fetch http(s) images from ('*': any); default: data: URLs only",
+    )
     p.add_argument("--max-image-bytes", type=int, default=10 * 2**20, help="largest image accepted (encoded bytes)")
     p.add_argument("--max-images-per-request", type=int, default=8)
-    p.add_argument("--max-image-pixels", type=int, default=16 * 2**20,
-                   help="largest image accepted (width * height, checked before decoding)")
-    p.add_argument("--max-image-decoded-bytes-per-request", type=int, default=128 * 2**20,
-                   help="a request's images, decoded (width * height * channels, summed)")
-    p.add_argument("--image-fetch-timeout-s", type=float, default=10.0,
-                   help="total time to fetch a request's http(s) image URLs (DNS, connect, headers, body)")
-    p.add_argument("--allow-private-image-urls", action="store_true",
-                   help="fetch image URLs that resolve to private, loopback or link-local addresses")
-    p.add_argument("--role", default="both", choices=["both", "decode"],
-                   help="prefill/decode disaggregation: decode = this engine's worker ranks only decode; a "
-                        "prefill pool (its own scheduler and ranks) computes prompts and moves their KV over")
+    p.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=16 * 2**20,
+        help="largest image accepted (width * height, checked before decoding)",
+    )
+    p.add_argument(
+        "--max-image-decoded-bytes-per-request",
+        type=int,
+        default=128 * 2**20,
+        help="a request's images, decoded (width * height * channels, summed)",
+    )
+    p.add_argument(
+        "--image-fetch-timeout-s",
+        type=float,
+        default=10.0,
+        help="total time to fetch a request's http(s) image URLs (DNS, connect, headers, body)",
+    )
+    p.add_argument(
+        "--allow-private-image-urls",
+        action="store_true",
+        help="fetch image URLs that resolve to private, loopback or link-local addresses",
+    )
+    p.add_argument(
+        "--role",
+        default="both",
+        choices=["both", "decode"],
+        help="prefill/decode disaggregation: decode = this engine's worker ranks only decode; a "
+        "prefill pool (its own scheduler and ranks) computes prompts and moves their KV over",
+    )
     p.add_argument("--log-format", default="console", choices=["console", "json"])
     p.add_argument("--log-level", default="info")
-    p.add_argument("--profile-dir", default="", metavar="DIR",
-                   help="enable POST /start_profile and /stop_profile (behind --api-key): torch.profiler "
-                        "traces per worker rank go here (only this flag enables them)")
-    p.add_argument("--profile-max-steps", type=int, default=200,
-                   help="a profile stops recording after this many engine steps (bounds a trace's size)")
-    p.add_argument("--profile-max-traces", type=int, default=16,
-                   help="traces kept per worker rank in --profile-dir; older ones are deleted")
-    p.add_argument("--snapshot", type=_snapshot_rules, default=None, metavar="RULES",
-                   help="capture tensors for matching requests/steps into --snapshot-dir. " + _rules_help())
-    p.add_argument("--snapshot-dir", default="axonserve-snapshots", metavar="DIR",
-                   help="where the snapshot sink writes safetensors files and index.json "
-                        "(read them with `axonserve snapshot ls|show DIR`)")
+    p.add_argument(
+        "--profile-dir",
+        default="",
+        metavar="DIR",
+        help="enable POST /start_profile and /stop_profile (behind --api-key): torch.profiler "
+        "traces per worker rank go here (only this flag enables them)",
+    )
+    p.add_argument(
+        "--profile-max-steps",
+        type=int,
+        default=200,
+        help="a profile stops recording after this many engine steps (bounds a trace's size)",
+    )
+    p.add_argument(
+        "--profile-max-traces",
+        type=int,
+        default=16,
+        help="traces kept per worker rank in --profile-dir; older ones are deleted",
+    )
+    p.add_argument(
+        "--snapshot",
+        type=_snapshot_rules,
+        default=None,
+        metavar="RULES",
+        help="capture tensors for matching requests/steps into --snapshot-dir. " + _rules_help(),
+    )
+    p.add_argument(
+        "--snapshot-dir",
+        default="axonserve-snapshots",
+        metavar="DIR",
+        help="where the snapshot sink writes safetensors files and index.json "
+        "(read them with `axonserve snapshot ls|show DIR`)",
+    )
 
 
 def _speculative_config(text: str) -> SpeculativeConfig | None:
@@ -238,18 +388,27 @@ async def _serve(config: EngineConfig) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    config = engine_config(args, host=args.host, port=args.port, allowed_origins=args.allowed_origins,
-                           allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
-                           allow_credentials=args.allow_credentials,
-                           max_request_body_bytes=args.max_request_body_bytes)
+    config = engine_config(
+        args,
+        host=args.host,
+        port=args.port,
+        allowed_origins=args.allowed_origins,
+        allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers,
+        allow_credentials=args.allow_credentials,
+        max_request_body_bytes=args.max_request_body_bytes,
+    )
     if args.api_key:  # children inherit the environment; argv is visible to every local user
         os.environ["AXONSERVE_API_KEY"] = args.api_key
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-    config = msgspec.structs.replace(config, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                                     tool_call_parser=args.tool_call_parser or "",
-                                     trust_request_chat_template=args.trust_request_chat_template,
-                                     chat_template_timeout_s=args.chat_template_timeout)
+    config = msgspec.structs.replace(
+        config,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser or "",
+        trust_request_chat_template=args.trust_request_chat_template,
+        chat_template_timeout_s=args.chat_template_timeout,
+    )
     import uvloop
 
     return uvloop.run(_serve(config))
@@ -275,8 +434,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         from axonserve.bench.cli import main as bench_main
     except ImportError as e:
-        raise SystemExit(f"axonserve bench needs the bench extra ({e.name} is missing): "
-                         "pip install 'axonserve[bench]'") from None
+        raise SystemExit(
+            f"axonserve bench needs the bench extra ({e.name} is missing): pip install 'axonserve[bench]'"
+        ) from None
     return bench_main(args.argv)
 
 
@@ -288,25 +448,47 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None,
-                       help="require `Authorization: Bearer KEY` on every route but /health, /version, /metrics, "
-                            "/ping, /openapi.json (safer: set AXONSERVE_API_KEY or VLLM_API_KEY)")
-    serve.add_argument("--allowed-origins", type=json.loads, default=[],
-                       help='CORS origins (JSON list, e.g. \'["https://app.example"]\'); default none: no CORS')
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on every route but /health, /version, /metrics, "
+        "/ping, /openapi.json (safer: set AXONSERVE_API_KEY or VLLM_API_KEY)",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        type=json.loads,
+        default=[],
+        help="CORS origins (JSON list, e.g. '[\"https://app.example\"]'); default none: no CORS",
+    )
     serve.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS methods (JSON list)")
     serve.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS headers (JSON list)")
     serve.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
-    serve.add_argument("--max-request-body-bytes", type=int, default=32 * 2**20,
-                       help="larger HTTP request bodies get 413")
-    serve.add_argument("--trust-request-chat-template", action="store_true",
-                       help="let requests bring their own chat template (`chat_template`); off: HTTP 400")
-    serve.add_argument("--chat-template-timeout", type=float, default=10.0, metavar="SECONDS",
-                       help="a chat template render taking longer is stopped (HTTP 400)")
-    serve.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help='allow tool_choice "auto": the model decides, --tool-call-parser reads its calls')
-    serve.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
-                       help="how the model writes tool calls: hermes <tool_call>{...}</tool_call>, "
-                            "llama3_json {\"name\", \"parameters\"}")
+    serve.add_argument(
+        "--max-request-body-bytes", type=int, default=32 * 2**20, help="larger HTTP request bodies get 413"
+    )
+    serve.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests bring their own chat template (`chat_template`); off: HTTP 400",
+    )
+    serve.add_argument(
+        "--chat-template-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a chat template render taking longer is stopped (HTTP 400)",
+    )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='allow tool_choice "auto": the model decides, --tool-call-parser reads its calls',
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json"],
+        default=None,
+        help='how the model writes tool calls: hermes <tool_call>{...}</tool_call>, llama3_json {"name", "parameters"}',
+    )
     serve.set_defaults(func=cmd_serve)
     gen = sub.add_parser("generate", help="generate offline for prompts given on the command line")
     add_engine_args(gen)
@@ -314,8 +496,12 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.set_defaults(func=cmd_generate)
-    bench = sub.add_parser("bench", add_help=False, prefix_chars="\0",
-                           help="benchmarks: load generator, peer comparison, machine limits (extra: bench)")
+    bench = sub.add_parser(
+        "bench",
+        add_help=False,
+        prefix_chars="\0",
+        help="benchmarks: load generator, peer comparison, machine limits (extra: bench)",
+    )
     bench.add_argument("argv", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
     from axonserve.actors.snapshot import add_snapshot_parser
@@ -327,8 +513,7 @@ def main(argv: list[str] | None = None) -> None:
 
     add_train_eagle_parser(sub)
     args = parser.parse_args(argv)
-    setup_logging(getattr(args, "log_format", "console"), getattr(args, "log_level", "info"),
-                  actor="launcher")
+    setup_logging(getattr(args, "log_format", "console"), getattr(args, "log_level", "info"), actor="launcher")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         code = args.func(args)

@@ -9,7 +9,6 @@ import os
 
 import msgspec
 
-
 METHODS = ("ngram", "eagle", "draft_model")
 
 
@@ -85,7 +84,7 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
             raise ValueError("num_speculative_tokens must be in [1, 16]")
         if self.tree is not None:
             if self.method != "eagle":
-                raise ValueError("draft trees (tree_width > 1) are for method \"eagle\"")
+                raise ValueError('draft trees (tree_width > 1) are for method "eagle"')
             width, depth = self.tree
             if not 2 <= depth or width * (depth - 1) > 16:
                 raise ValueError("draft trees need tree_depth >= 2 and tree_width * (tree_depth - 1) <= 16")
@@ -127,8 +126,12 @@ def resolve_dtype(model_dir: str) -> str:
     except (OSError, ValueError):
         return "float32"
     # transformers 5 writes `dtype`; a multimodal model's text config may carry it instead
-    declared = cfg.get("dtype") or cfg.get("torch_dtype") or (cfg.get("text_config") or {}).get("dtype") \
+    declared = (
+        cfg.get("dtype")
+        or cfg.get("torch_dtype")
+        or (cfg.get("text_config") or {}).get("dtype")
         or (cfg.get("text_config") or {}).get("torch_dtype")
+    )
     return "bfloat16" if declared in ("bfloat16", "float16") and cpu_has_bf16() else "float32"
 
 
@@ -279,15 +282,17 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
 
             self.task = resolve_task(self.model, self.task)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; supported: "
-                             f"{', '.join(KV_CACHE_DTYPES)}")
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; supported: {', '.join(KV_CACHE_DTYPES)}"
+            )
         if self.kv_cache_dtype == "int8" and (self.bucketing or self.role != "both"):
             raise ValueError("an int8 KV cache is not supported with bucketing or prefill/decode disaggregation")
         if self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         if self.num_scheduler_steps > 1:
-            clash = [name for name, on in (("bucketing", self.bucketing), ("tensor snapshots", bool(self.snapshot)))
-                     if on]
+            clash = [
+                name for name, on in (("bucketing", self.bucketing), ("tensor snapshots", bool(self.snapshot))) if on
+            ]
             if clash:
                 raise ValueError(f"multi-step decoding (num_scheduler_steps > 1) is not supported with {clash[0]}")
         self.limits.validate()

@@ -90,8 +90,9 @@ def load_prompts(path: str | None) -> list[str | list[int]]:
 # --------------------------------------------------------------------------- the two sides
 
 
-def run_engine(model_dir: str, prompts: list[str | list[int]], max_tokens: int, dtype: str,
-               snapshot_dir: str, **config: Any) -> tuple[str, list[tuple[str, list[int], list[int]]]]:
+def run_engine(
+    model_dir: str, prompts: list[str | list[int]], max_tokens: int, dtype: str, snapshot_dir: str, **config: Any
+) -> tuple[str, list[tuple[str, list[int], list[int]]]]:
     """Greedy generation on axonserve with full snapshots: the sink's run id and, per prompt,
     (request id, prompt ids, output)."""
     from axonserve.actors.snapshot import read_index
@@ -101,10 +102,14 @@ def run_engine(model_dir: str, prompts: list[str | list[int]], max_tokens: int, 
     from axonserve.protocol.messages import SamplingParams
 
     cfg = EngineConfig(
-        model=model_dir, served_model_name="validate", dtype=dtype,
+        model=model_dir,
+        served_model_name="validate",
+        dtype=dtype,
         enable_prefix_caching=False,  # every position of every prompt is computed (and captured)
-        snapshot=SnapshotRules().to_json(), snapshot_dir=snapshot_dir,
-        log_level=config.pop("log_level", "warning"), **config,
+        snapshot=SnapshotRules().to_json(),
+        snapshot_dir=snapshot_dir,
+        log_level=config.pop("log_level", "warning"),
+        **config,
     )
     llm = LLM(config=cfg)
     try:
@@ -151,16 +156,29 @@ def reference_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
     import torch
 
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 # --------------------------------------------------------------------------- comparison
 
 
-def compare(index: int, prompt: str | None, prompt_ids: list[int], tokens: list[int],
-            snap: dict[str, Any], model: Any, tol: Tolerances) -> RequestReport:
+def compare(
+    index: int,
+    prompt: str | None,
+    prompt_ids: list[int],
+    tokens: list[int],
+    snap: dict[str, Any],
+    model: Any,
+    tol: Tolerances,
+) -> RequestReport:
     """One request: axonserve's snapshot (`load_request`) against transformers."""
     import torch
 
@@ -170,8 +188,10 @@ def compare(index: int, prompt: str | None, prompt_ids: list[int], tokens: list[
     why = []
     got_ids = snap.get("input_ids")
     if got_ids is None or got_ids.tolist() != seq:
-        raise RuntimeError(f"prompt {index}: the snapshot's input tokens are not prompt + output "
-                           f"(incomplete capture? {0 if got_ids is None else len(got_ids)} of {len(seq)} positions)")
+        raise RuntimeError(
+            f"prompt {index}: the snapshot's input tokens are not prompt + output "
+            f"(incomplete capture? {0 if got_ids is None else len(got_ids)} of {len(seq)} positions)"
+        )
     if "logits" not in snap or snap["logit_steps"].tolist() != list(range(g)):
         raise RuntimeError(f"prompt {index}: the snapshot lacks logits for some of the {g} steps")
     ours = snap["logits"].float()
@@ -201,28 +221,52 @@ def compare(index: int, prompt: str | None, prompt_ids: list[int], tokens: list[
         tie = abs(row[tokens[mismatch]].item() - row[ref_tokens[mismatch]].item()) <= tol.atol
     logits_max = diff.max().item() if g else 0.0
     if logits_max > tol.atol:
-        why.append(f"max |Δlogit| {logits_max:.3g} > atol {tol.atol:g} (first at output token "
-                   f"{int((diff > tol.atol).nonzero()[0, 0])})")
+        why.append(
+            f"max |Δlogit| {logits_max:.3g} > atol {tol.atol:g} (first at output token "
+            f"{int((diff > tol.atol).nonzero()[0, 0])})"
+        )
     if mismatch is not None and not tie:
         why.append(f"greedy output differs from transformers at token {mismatch}")
     if why:
-        where = (f"first decoder layer past hidden_rtol {tol.hidden_rtol:g}: {first_layer}"
-                 if first_layer is not None else "no decoder layer past hidden_rtol: the drift is in "
-                 "the final norm / lm_head / sampling")
+        where = (
+            f"first decoder layer past hidden_rtol {tol.hidden_rtol:g}: {first_layer}"
+            if first_layer is not None
+            else "no decoder layer past hidden_rtol: the drift is in the final norm / lm_head / sampling"
+        )
         why.append(where)
     return RequestReport(
-        index=index, prompt=prompt, num_prompt_tokens=p, tokens=tokens, ref_tokens=ref_tokens,
-        first_mismatch=mismatch, mismatch_is_tie=tie, logits_max_abs=logits_max,
-        kl_max=kl.max().item() if g else 0.0, kl_mean=kl.mean().item() if g else 0.0,
-        top1_agreement=top1.mean().item() if g else 1.0, topk_overlap=overlap.mean().item() if g else 1.0,
-        layer_rel_diff=layers, first_divergent_layer=first_layer, passed=not why, why=why,
+        index=index,
+        prompt=prompt,
+        num_prompt_tokens=p,
+        tokens=tokens,
+        ref_tokens=ref_tokens,
+        first_mismatch=mismatch,
+        mismatch_is_tie=tie,
+        logits_max_abs=logits_max,
+        kl_max=kl.max().item() if g else 0.0,
+        kl_mean=kl.mean().item() if g else 0.0,
+        top1_agreement=top1.mean().item() if g else 1.0,
+        topk_overlap=overlap.mean().item() if g else 1.0,
+        layer_rel_diff=layers,
+        first_divergent_layer=first_layer,
+        passed=not why,
+        why=why,
     )
 
 
-def validate(model: str, *, reference: str | None = None, prompts: list[str | list[int]] | None = None,
-             max_tokens: int = 8, dtype: str = "float32", atol: float | None = None,
-             hidden_rtol: float | None = None, topk: int = 5, snapshot_dir: str | None = None,
-             **config: Any) -> dict[str, Any]:
+def validate(
+    model: str,
+    *,
+    reference: str | None = None,
+    prompts: list[str | list[int]] | None = None,
+    max_tokens: int = 8,
+    dtype: str = "float32",
+    atol: float | None = None,
+    hidden_rtol: float | None = None,
+    topk: int = 5,
+    snapshot_dir: str | None = None,
+    **config: Any,
+) -> dict[str, Any]:
     """Run the whole comparison; returns the report (see `RequestReport`)."""
     from axonserve.actors.snapshot import load_request
     from axonserve.neuron.model_source import resolve_model
@@ -246,7 +290,10 @@ def validate(model: str, *, reference: str | None = None, prompts: list[str | li
     per_layer = [max(r.layer_rel_diff[i] for r in reports) for i in range(num_layers)]
     firsts = [r.first_divergent_layer for r in reports if r.first_divergent_layer is not None]
     return {
-        "model": model_dir, "reference": ref_dir, "dtype": dtype, "max_tokens": max_tokens,
+        "model": model_dir,
+        "reference": ref_dir,
+        "dtype": dtype,
+        "max_tokens": max_tokens,
         "tolerances": asdict(tol),
         "passed": all(r.passed for r in reports),
         "first_divergent_layer": min(firsts) if firsts else None,
@@ -264,16 +311,47 @@ def format_report(rep: dict[str, Any]) -> str:
     tol = rep["tolerances"]
     rows = []
     for r in rep["requests"]:
-        seq = "yes" if r["first_mismatch"] is None else f"no@{r['first_mismatch']}" + (" (tie)" if r["mismatch_is_tie"] else "")
+        seq = (
+            "yes"
+            if r["first_mismatch"] is None
+            else f"no@{r['first_mismatch']}" + (" (tie)" if r["mismatch_is_tie"] else "")
+        )
         layer = "-" if r["first_divergent_layer"] is None else str(r["first_divergent_layer"])
-        rows.append([str(r["index"]), str(r["num_prompt_tokens"]), str(len(r["tokens"])), seq,
-                     f"{r['logits_max_abs']:.3g}", f"{r['kl_max']:.3g}", f"{r['top1_agreement']:.2f}",
-                     f"{r['topk_overlap']:.2f}", layer, "PASS" if r["passed"] else "FAIL"])
-    out = [format_table(rows, ["prompt", "in", "out", "greedy_match", "max|dlogit|", "kl_max", "top1",
-                               f"top{tol['topk']}", "drift_layer", "status"])]
+        rows.append(
+            [
+                str(r["index"]),
+                str(r["num_prompt_tokens"]),
+                str(len(r["tokens"])),
+                seq,
+                f"{r['logits_max_abs']:.3g}",
+                f"{r['kl_max']:.3g}",
+                f"{r['top1_agreement']:.2f}",
+                f"{r['topk_overlap']:.2f}",
+                layer,
+                "PASS" if r["passed"] else "FAIL",
+            ]
+        )
+    out = [
+        format_table(
+            rows,
+            [
+                "prompt",
+                "in",
+                "out",
+                "greedy_match",
+                "max|dlogit|",
+                "kl_max",
+                "top1",
+                f"top{tol['topk']}",
+                "drift_layer",
+                "status",
+            ],
+        )
+    ]
     out.append("")
-    layer_rows = [[str(i), f"{d:.3g}", "ok" if d <= tol["hidden_rtol"] else "DRIFT"]
-                  for i, d in enumerate(rep["layer_rel_diff"])]
+    layer_rows = [
+        [str(i), f"{d:.3g}", "ok" if d <= tol["hidden_rtol"] else "DRIFT"] for i, d in enumerate(rep["layer_rel_diff"])
+    ]
     out.append(format_table(layer_rows, ["layer", "max|dh|/max|h|", f"rtol {tol['hidden_rtol']:g}"]))
     out.append("")
     for r in rep["requests"]:
@@ -289,24 +367,49 @@ def format_report(rep: dict[str, Any]) -> str:
 def add_validate_parser(sub: Any) -> None:
     from axonserve.config import QUANTIZATIONS
 
-    p = sub.add_parser("validate", help="compare axonserve's logits and hidden states with transformers",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", nargs="?", default="SmolLM2-135M-Instruct",
-                   help="model directory, .gguf file, or SmolLM2-135M-Instruct (default)")
+    p = sub.add_parser(
+        "validate",
+        help="compare axonserve's logits and hidden states with transformers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        default="SmolLM2-135M-Instruct",
+        help="model directory, .gguf file, or SmolLM2-135M-Instruct (default)",
+    )
     p.add_argument("--reference", default=None, help="reference checkpoint for transformers (default: MODEL)")
-    p.add_argument("--prompts", default=None, metavar="FILE",
-                   help="prompts: .json list, .jsonl, or text with one prompt per line (default: built-in set)")
+    p.add_argument(
+        "--prompts",
+        default=None,
+        metavar="FILE",
+        help="prompts: .json list, .jsonl, or text with one prompt per line (default: built-in set)",
+    )
     p.add_argument("--max-tokens", type=int, default=8, help="greedy tokens per prompt")
     p.add_argument("--report", default=None, metavar="FILE", help="write the JSON report here")
-    p.add_argument("--atol", type=float, default=None,
-                   help="max |Δlogit| per token (default 1e-2 for float32, 1.0 for bfloat16, 3 with int8, 8 with int4)")
-    p.add_argument("--hidden-rtol", type=float, default=None,
-                   help="max |Δhidden|/max|hidden| per layer (default 1e-3 for float32, 0.25 for bfloat16 and int8, "
-                        "0.5 with int4)")
+    p.add_argument(
+        "--atol",
+        type=float,
+        default=None,
+        help="max |Δlogit| per token (default 1e-2 for float32, 1.0 for bfloat16, 3 with int8, 8 with int4)",
+    )
+    p.add_argument(
+        "--hidden-rtol",
+        type=float,
+        default=None,
+        help="max |Δhidden|/max|hidden| per layer (default 1e-3 for float32, 0.25 for bfloat16 and int8, "
+        "0.5 with int4)",
+    )
     p.add_argument("--topk", type=int, default=5, help="k for top-k agreement")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--quantization", "-q", default="", choices=["", *QUANTIZATIONS],
-                   help="serve the model weight-quantized (as `serve -q`): measures what the format costs")
+    p.add_argument(
+        "--quantization",
+        "-q",
+        default="",
+        choices=["", *QUANTIZATIONS],
+        help="serve the model weight-quantized (as `serve -q`): measures what the format costs",
+    )
     p.add_argument("--snapshot-dir", default=None, help="keep the engine's snapshots here (default: temporary)")
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--log-level", default="warning")
@@ -319,9 +422,17 @@ def cmd_validate(args: argparse.Namespace) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         rep = validate(
-            args.model, reference=args.reference, prompts=load_prompts(args.prompts), max_tokens=args.max_tokens,
-            dtype=args.dtype, atol=args.atol, hidden_rtol=args.hidden_rtol, topk=args.topk,
-            snapshot_dir=args.snapshot_dir, num_kv_blocks=args.num_kv_blocks, quantization=args.quantization,
+            args.model,
+            reference=args.reference,
+            prompts=load_prompts(args.prompts),
+            max_tokens=args.max_tokens,
+            dtype=args.dtype,
+            atol=args.atol,
+            hidden_rtol=args.hidden_rtol,
+            topk=args.topk,
+            snapshot_dir=args.snapshot_dir,
+            num_kv_blocks=args.num_kv_blocks,
+            quantization=args.quantization,
             log_level=args.log_level,
             log_format=args.log_format,
         )

@@ -6,8 +6,8 @@ through the real loaders in seconds.
 
 from __future__ import annotations
 
-import math
 import functools
+import math
 import os
 import shutil
 from collections import Counter
@@ -35,8 +35,17 @@ def smollm2_dir() -> str:
 
 
 # 2 layers, hidden 64, 4 query / 2 KV heads: every tiny test decoder's shape
-TINY_DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+TINY_DECODER = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 def copy_tokenizer(tokenizer_dir: str, out_dir: str) -> None:
@@ -109,7 +118,7 @@ def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
             min_new_tokens=n,
             pad_token_id=0,
         )
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
 # architecture -> (transformers config class, config fields that make it interesting when tiny)
@@ -119,9 +128,16 @@ TINY_ARCHS: dict[str, tuple[str, dict]] = {
     "Qwen2ForCausalLM": ("Qwen2Config", {}),
     "Qwen3ForCausalLM": ("Qwen3Config", {}),
     # layer 0 sparse (8 experts, top-2), layer 1 dense: both block kinds in 2 layers
-    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", {
-        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
-        "mlp_only_layers": [1]}),
+    "Qwen3MoeForCausalLM": (
+        "Qwen3MoeConfig",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+        },
+    ),
 }
 
 
@@ -171,6 +187,8 @@ def chi2(observed: Counter, probs: dict[int, float], n: int) -> tuple[float, int
     if rest_e > 0:
         cells.append((rest_o, rest_e))
     return sum((o - e) ** 2 / e for o, e in cells), len(cells) - 1
+
+
 # --------------------------------------------------------------------------- vision-language
 
 IMAGE_SIZE, PATCH = 32, 8  # 16 patches per image: 16 image tokens ("default" drops CLS)
@@ -181,8 +199,14 @@ def make_tiny_llava(out_dir: str, tokenizer_dir: str, seed: int = 0) -> str:
     a LlavaProcessor: the tokenizer plus an `<image>` token and a 32-pixel CLIPImageProcessor."""
     from axonserve.bench.mm_ttft import make_random_llava
 
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  image_size=IMAGE_SIZE, patch_size=PATCH)
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH,
+    )
     return make_random_llava(out_dir, tokenizer_dir, vision, {**TINY_DECODER, "max_position_embeddings": 512}, seed)
 
 
@@ -220,7 +244,7 @@ def hf_llava_greedy(model_dir: str, text: str, images: list[bytes], n: int) -> t
     with torch.inference_mode():
         out = model.generate(**enc, do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
     ids = enc["input_ids"][0].tolist()
-    return ids, out[0, len(ids):].tolist()
+    return ids, out[0, len(ids) :].tolist()
 
 
 @functools.lru_cache(maxsize=2)

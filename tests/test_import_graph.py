@@ -43,8 +43,9 @@ def _modules() -> dict[str, str]:
 
 def _is_type_checking(node: ast.If) -> bool:
     t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or \
-        (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(tree: ast.Module, module: str, is_package: bool, modules: dict[str, str]):
@@ -144,17 +145,25 @@ def test_protocol_depends_only_on_config():
     for m, e in graph.items():
         if m == "axonserve.protocol" or m.startswith("axonserve.protocol."):
             inside = lambda t: t == "axonserve.protocol" or t.startswith("axonserve.protocol.")  # noqa: E731
-            bad += [f"{m} -> {t} (module level)" for t in sorted(e["module"]) if not inside(t)
-                    and t not in PROTOCOL_MAY_IMPORT]
-            bad += [f"{m} -> {t} (in a function)" for t in sorted(e["function"]) if not inside(t)
-                    and t not in PROTOCOL_MAY_IMPORT_LAZILY]
+            bad += [
+                f"{m} -> {t} (module level)"
+                for t in sorted(e["module"])
+                if not inside(t) and t not in PROTOCOL_MAY_IMPORT
+            ]
+            bad += [
+                f"{m} -> {t} (in a function)"
+                for t in sorted(e["function"])
+                if not inside(t) and t not in PROTOCOL_MAY_IMPORT_LAZILY
+            ]
     assert not bad, "axonserve.protocol imports beyond the config:\n" + "\n".join(bad)
 
 
 if __name__ == "__main__":
     g = import_graph()
-    for kind, edges in (("module-level", {m: e["module"] for m, e in g.items()}),
-                        ("module- and function-level", {m: e["module"] | e["function"] for m, e in g.items()})):
+    for kind, edges in (
+        ("module-level", {m: e["module"] for m, e in g.items()}),
+        ("module- and function-level", {m: e["module"] | e["function"] for m, e in g.items()}),
+    ):
         found = cycles(edges)
         print(f"{kind} import cycles: {len(found)}")
         for c in found:

@@ -25,8 +25,14 @@ def tiny4_dir(tmp_path_factory, smollm2_dir) -> str:
 
 def validate(*args: str) -> tuple[subprocess.CompletedProcess, dict]:
     report = args[args.index("--report") + 1]
-    proc = subprocess.run([sys.executable, "-m", "axonserve.cli", "validate", *args], check=False, cwd=REPO,
-                          capture_output=True, text=True, timeout=280)
+    proc = subprocess.run(
+        [sys.executable, "-m", "axonserve.cli", "validate", *args],
+        check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr
     with open(report) as f:
         return proc, json.load(f)
@@ -47,8 +53,9 @@ def test_prompt_files(tmp_path):
 def test_validate_passes_on_a_correct_model(tiny4_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('"The capital of France is"\n{"prompt": [17, 230, 4001, 9, 77, 12, 5]}\n')
-    proc, rep = validate(tiny4_dir, "--prompts", str(prompts), "--max-tokens", "5",
-                         "--report", str(tmp_path / "r.json"))
+    proc, rep = validate(
+        tiny4_dir, "--prompts", str(prompts), "--max-tokens", "5", "--report", str(tmp_path / "r.json")
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert rep["passed"] and rep["first_divergent_layer"] is None
     assert len(rep["requests"]) == 2 and len(rep["layer_rel_diff"]) == 4
@@ -70,8 +77,7 @@ def test_validate_names_the_corrupted_layer(tiny4_dir, tmp_path):
     weights[key] = torch.randn(weights[key].shape, generator=torch.Generator().manual_seed(1)) * 0.02
     save_file(weights, path, metadata={"format": "pt"})
 
-    proc, rep = validate(bad, "--reference", tiny4_dir, "--max-tokens", "4",
-                         "--report", str(tmp_path / "r.json"))
+    proc, rep = validate(bad, "--reference", tiny4_dir, "--max-tokens", "4", "--report", str(tmp_path / "r.json"))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert not rep["passed"] and rep["first_divergent_layer"] == 1
     tol = rep["tolerances"]["hidden_rtol"]

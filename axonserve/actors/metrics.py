@@ -29,18 +29,98 @@ from axonserve.protocol.messages import (
 _stats_codec = Codec(StatsEvent)
 _query_codec = Codec(GetMetrics)
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-               7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 # a step's timeline: schedule -> send (plan out) -> [worker: forward, sample] -> return (the
 # rest of the round trip: transit both ways, worker bookkeeping) -> update (apply, send outputs);
 # roundtrip = send + forward + sample + return
 STEP_PHASES = ("schedule", "send", "forward", "sample", "return", "update", "roundtrip")
-STEP_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05,
-                0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+STEP_BUCKETS = (
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+)
 
 
 def build_1_2_5(limit: int) -> list[int]:
@@ -86,16 +166,20 @@ class EngineMetrics:
         self.spec_drafts = c("vllm:spec_decode_num_drafts", "Verifications of draft tokens (one per request-step)")
         self.spec_draft_tokens = c("vllm:spec_decode_num_draft_tokens", "Draft tokens verified")
         self.spec_accepted = c("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted")
-        self.spec_per_pos = c("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position",
-                              ["position"])
-        self.step_time = Histogram("axonserve:step_phase_seconds", "Step time by phase",
-                                   lbl + ["phase"], buckets=STEP_BUCKETS, registry=r)
+        self.spec_per_pos = c(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position", ["position"]
+        )
+        self.step_time = Histogram(
+            "axonserve:step_phase_seconds", "Step time by phase", lbl + ["phase"], buckets=STEP_BUCKETS, registry=r
+        )
         self.alive = g("axonserve:actor_last_seen_timestamp_seconds", "Last stats heartbeat", ["actor"])
-        self.dropped = g("axonserve:stats_events_dropped", "Stats events dropped under back-pressure",
-                         ["actor"])
+        self.dropped = g("axonserve:stats_events_dropped", "Stats events dropped under back-pressure", ["actor"])
         self.events = c("axonserve:stats_events", "Stats events received")
-        self.forwards = c("axonserve:model_forwards", "Model forwards the worker ranks ran (a multi-step plan runs "
-                          "several; vllm:iteration_tokens_total counts plans)")
+        self.forwards = c(
+            "axonserve:model_forwards",
+            "Model forwards the worker ranks ran (a multi-step plan runs "
+            "several; vllm:iteration_tokens_total counts plans)",
+        )
         self.mm_images = c("axonserve:mm_images", "Images sent to the encoder router")
         self.mm_cache_hits = c("axonserve:mm_encoder_cache_hits", "Images served from the encoder cache")
         self.mm_encode = c("axonserve:mm_encode_seconds", "Time encoder jobs took (dispatch to features)")

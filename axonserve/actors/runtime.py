@@ -10,8 +10,8 @@ start-up (e.g. the KV block count the workers measured) to `self.configured`.
 from __future__ import annotations
 
 import asyncio
-import threading
 import os
+import threading
 import time
 from typing import Any, ClassVar
 
@@ -89,8 +89,9 @@ class Actor:
             structlog.contextvars.bind_contextvars(rank=spec.rank)
         self.stopping = asyncio.Event()
         self.configured: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._control = self.socket(zmq.DEALER, self.addresses.control, identity=self.name.encode(),
-                                    max_bytes=SMALL_MESSAGE_BYTES)
+        self._control = self.socket(
+            zmq.DEALER, self.addresses.control, identity=self.name.encode(), max_bytes=SMALL_MESSAGE_BYTES
+        )
         self._stats_sock: zmq.Socket | None = None  # sync socket: NOBLOCK sends return at once
         if self.addresses.stats:
             self._stats_sock = bus_socket(zmq.Context.shadow(self.ctx.underlying), zmq.PUSH, SMALL_MESSAGE_BYTES)
@@ -118,7 +119,12 @@ class Actor:
     # ------------------------------------------------------------------ helpers
 
     def socket(
-        self, kind: int, address: str, *, bind: bool = False, identity: bytes | None = None,
+        self,
+        kind: int,
+        address: str,
+        *,
+        bind: bool = False,
+        identity: bytes | None = None,
         max_bytes: int | None = None,
     ) -> zmq.asyncio.Socket:
         """A bus socket bound or connected to `address`; `max_bytes`: its frame-size limit

@@ -95,13 +95,23 @@ class SnapshotSink(Actor):
             return
         tensors = {name: tensor_from_frame(ref, frames).clone() for name, ref in rec.tensors.items()}
         name = f"{self.run_id}-{_safe(rec.request_id)}-s{rec.step:05d}-e{rec.step_id:07d}.safetensors"
-        save_file(tensors, os.path.join(self.dir, name),
-                  metadata={"request_id": rec.request_id, "step": str(rec.step), "step_id": str(rec.step_id)})
-        self.index["records"].append({
-            "file": name, "run": self.run_id, "request_id": rec.request_id, "step": rec.step,
-            "step_id": rec.step_id, "rank": rec.rank, "time": rec.time,
-            "tensors": {n: {"shape": list(ref.shape), "dtype": ref.dtype} for n, ref in rec.tensors.items()},
-        })
+        save_file(
+            tensors,
+            os.path.join(self.dir, name),
+            metadata={"request_id": rec.request_id, "step": str(rec.step), "step_id": str(rec.step_id)},
+        )
+        self.index["records"].append(
+            {
+                "file": name,
+                "run": self.run_id,
+                "request_id": rec.request_id,
+                "step": rec.step,
+                "step_id": rec.step_id,
+                "rank": rec.rank,
+                "time": rec.time,
+                "tensors": {n: {"shape": list(ref.shape), "dtype": ref.dtype} for n, ref in rec.tensors.items()},
+            }
+        )
         self.written += 1
 
     def _write_index(self) -> None:
@@ -119,8 +129,7 @@ class SnapshotSink(Actor):
         while time.monotonic() < deadline and await self.pull.poll(int(DRAIN_QUIET_S * 1000)):
             batch.append(await self.pull.recv_multipart(copy=False))
         self._write_batch(batch)
-        self.log.info("snapshot.closed", dir=self.dir, records=self.written,
-                      dropped=self.index.get("dropped", 0))
+        self.log.info("snapshot.closed", dir=self.dir, records=self.written, dropped=self.index.get("dropped", 0))
 
 
 def _safe(s: str) -> str:
@@ -231,9 +240,17 @@ def format_table(rows: list[list[str]], header: list[str]) -> str:
 def ls(d: str, key: str | None = None) -> str:
     """Table of what DIR holds: request, step, engine step, tensor, shape, dtype."""
     index = read_index(d)
-    rows = [[rec["request_id"], str(rec["step"]), str(rec["step_id"]), name,
-             "x".join(map(str, rec["tensors"][name]["shape"])) or "scalar", rec["tensors"][name]["dtype"]]
-            for rec, name in select(index, key)]
+    rows = [
+        [
+            rec["request_id"],
+            str(rec["step"]),
+            str(rec["step_id"]),
+            name,
+            "x".join(map(str, rec["tensors"][name]["shape"])) or "scalar",
+            rec["tensors"][name]["dtype"],
+        ]
+        for rec, name in select(index, key)
+    ]
     out = format_table(rows, ["request", "step", "engine_step", "tensor", "shape", "dtype"])
     summary = f"{len(index['records'])} records, {len({r['request_id'] for r in index['records']})} requests"
     if index.get("dropped"):
@@ -255,14 +272,22 @@ def show(d: str, key: str | None = None, values: int = 8) -> str:
         f = t.double()
         head = ", ".join(f"{v:.6g}" for v in f.flatten()[:values].tolist())
         more = ", ..." if t.numel() > values else ""
-        stats = (f"min={f.min().item():.6g} max={f.max().item():.6g} mean={f.mean().item():.6g} "
-                 f"std={f.std().item() if t.numel() > 1 else 0.0:.6g}") if t.numel() else "empty"
+        stats = (
+            (
+                f"min={f.min().item():.6g} max={f.max().item():.6g} mean={f.mean().item():.6g} "
+                f"std={f.std().item() if t.numel() > 1 else 0.0:.6g}"
+            )
+            if t.numel()
+            else "empty"
+        )
         if name == "logits" and t.numel():
             top = torch.topk(f.flatten(), min(5, t.numel()))
             stats += " top=" + ",".join(f"{i}:{v:.4g}" for v, i in zip(top.values.tolist(), top.indices.tolist()))
-        blocks.append(f"{rec['request_id']}/{rec['step']}/{name} (engine step {rec['step_id']}) "
-                      f"shape={list(t.shape)} dtype={str(t.dtype).removeprefix('torch.')}\n"
-                      f"  {stats}\n  [{head}{more}]")
+        blocks.append(
+            f"{rec['request_id']}/{rec['step']}/{name} (engine step {rec['step_id']}) "
+            f"shape={list(t.shape)} dtype={str(t.dtype).removeprefix('torch.')}\n"
+            f"  {stats}\n  [{head}{more}]"
+        )
     return "\n".join(blocks)
 
 

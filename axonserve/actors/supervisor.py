@@ -99,39 +99,37 @@ class Supervisor:
         """Spawn every actor and wait until all are Ready; StartupError otherwise."""
         t0 = time.monotonic()
         if self.config.role == "decode" and (self.config.num_workers > 1 or self.config.bucketing):
-            raise StartupError("--role decode needs one worker rank per pool and no bucketing: moving "
-                               "tensor-parallel shards or bucketed steps' KV is not implemented")
+            raise StartupError(
+                "--role decode needs one worker rank per pool and no bucketing: moving "
+                "tensor-parallel shards or bucketed steps' KV is not implemented"
+            )
         self.ctx = zmq.asyncio.Context()
         self.control = bus_socket(self.ctx, zmq.ROUTER, SMALL_MESSAGE_BYTES)
         self.control.setsockopt(zmq.LINGER, 0)
         self.control.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.control.bind(self.addresses.control)
         specs = [
-            ActorSpec(kind="worker", name=f"worker-{r}", config=self.config,
-                      addresses=self.addresses, rank=r)
+            ActorSpec(kind="worker", name=f"worker-{r}", config=self.config, addresses=self.addresses, rank=r)
             for r in range(self.config.num_workers)
         ]
         if not self.workers_only:
-            specs.append(ActorSpec(kind="scheduler", name="scheduler", config=self.config,
-                                   addresses=self.addresses))
-            specs.append(ActorSpec(kind="metrics", name="metrics", config=self.config,
-                                   addresses=self.addresses))
+            specs.append(ActorSpec(kind="scheduler", name="scheduler", config=self.config, addresses=self.addresses))
+            specs.append(ActorSpec(kind="metrics", name="metrics", config=self.config, addresses=self.addresses))
         spec_cfg = self.config.speculative
         if spec_cfg is not None and spec_cfg.uses_drafter and not self.workers_only:
-            specs.append(ActorSpec(kind="drafter", name="drafter", config=self.config,
-                                   addresses=self.addresses))
+            specs.append(ActorSpec(kind="drafter", name="drafter", config=self.config, addresses=self.addresses))
         if self.config.role == "decode" and not self.workers_only:
             specs += self._prefill_pool()
         if self.config.encoder_workers and not self.workers_only:  # multimodal: the encoder pool
             specs.append(ActorSpec(kind="router", name="router", config=self.config, addresses=self.addresses))
-            specs += [ActorSpec(kind="encoder", name=f"encoder-{i}", config=self.config, addresses=self.addresses)
-                      for i in range(self.config.encoder_workers)]
+            specs += [
+                ActorSpec(kind="encoder", name=f"encoder-{i}", config=self.config, addresses=self.addresses)
+                for i in range(self.config.encoder_workers)
+            ]
         if self.config.snapshot:  # tensor snapshots: the sink that writes them to disk
-            specs.append(ActorSpec(kind="snapshot", name="snapshot", config=self.config,
-                                   addresses=self.addresses))
+            specs.append(ActorSpec(kind="snapshot", name="snapshot", config=self.config, addresses=self.addresses))
         if self.with_frontend:
-            specs.append(ActorSpec(kind="frontend", name="frontend", config=self.config,
-                                   addresses=self.addresses))
+            specs.append(ActorSpec(kind="frontend", name="frontend", config=self.config, addresses=self.addresses))
         for spec in specs:
             self.children[spec.name] = _Child(spec, self._spawn(spec))
         self._tasks = [
@@ -141,7 +139,8 @@ class Supervisor:
         ready = asyncio.ensure_future(self._all_ready.wait())
         failed = asyncio.ensure_future(self._failed.wait())
         done, _ = await asyncio.wait(
-            {ready, failed}, timeout=self.config.ready_timeout_s,
+            {ready, failed},
+            timeout=self.config.ready_timeout_s,
             return_when=asyncio.FIRST_COMPLETED,
         )
         ready.cancel()
@@ -151,12 +150,12 @@ class Supervisor:
             raise StartupCancelled("stop requested during startup")
         if not self._all_ready.is_set():
             why = self.failure[1] if self.failure else "timed out waiting for actors to be ready"
-            who = self.failure[0] if self.failure else ",".join(
-                n for n, c in self.children.items() if not c.ready)
+            who = self.failure[0] if self.failure else ",".join(n for n, c in self.children.items() if not c.ready)
             await self.stop("startup failed")
             raise StartupError(f"{who}: {why}")
-        log.info("engine_ready", seconds=round(time.monotonic() - t0, 2),
-                 actors=len(self.children), **self.engine_facts())
+        log.info(
+            "engine_ready", seconds=round(time.monotonic() - t0, 2), actors=len(self.children), **self.engine_facts()
+        )
 
     def _prefill_pool(self) -> list[ActorSpec]:
         """P/D: a second engine (scheduler + worker ranks) that only prefills, on its own
@@ -167,13 +166,20 @@ class Supervisor:
         while cfg.num_workers > 1 and port in (0, cfg.port):
             port = free_port()
         addrs = msgspec.structs.replace(
-            self.addresses, engine=f"ipc://{d}/prefill-engine", plan=f"ipc://{d}/prefill-plan",
-            result=f"ipc://{d}/prefill-result", dist_init=f"tcp://127.0.0.1:{port}" if port else "",
-            snapshot="", router="", prefill="")
+            self.addresses,
+            engine=f"ipc://{d}/prefill-engine",
+            plan=f"ipc://{d}/prefill-plan",
+            result=f"ipc://{d}/prefill-result",
+            dist_init=f"tcp://127.0.0.1:{port}" if port else "",
+            snapshot="",
+            router="",
+            prefill="",
+        )
         self.addresses.prefill = addrs.engine
-        return [ActorSpec(kind="worker", name=f"prefill-worker-{r}", config=cfg, addresses=addrs, rank=r)
-                for r in range(cfg.num_workers)] + [
-            ActorSpec(kind="scheduler", name="prefill-scheduler", config=cfg, addresses=addrs)]
+        return [
+            ActorSpec(kind="worker", name=f"prefill-worker-{r}", config=cfg, addresses=addrs, rank=r)
+            for r in range(cfg.num_workers)
+        ] + [ActorSpec(kind="scheduler", name="prefill-scheduler", config=cfg, addresses=addrs)]
 
     def engine_facts(self) -> dict:
         s = self.children.get("scheduler")
@@ -229,8 +235,11 @@ class Supervisor:
         configured = self._configured
         for sched in [c for c in self.children.values() if c.spec.kind == "scheduler"]:
             # each scheduler's workers: the ranks on its plan socket (P/D: two engines)
-            workers = [c for c in self.children.values()
-                       if c.spec.kind == "worker" and c.spec.addresses.plan == sched.spec.addresses.plan]
+            workers = [
+                c
+                for c in self.children.values()
+                if c.spec.kind == "worker" and c.spec.addresses.plan == sched.spec.addresses.plan
+            ]
             if sched.spec.name not in configured and all(w.ready for w in workers) and not sched.ready:
                 configured.add(sched.spec.name)
                 await self._configure(sched.spec.name, workers)

@@ -63,15 +63,16 @@ def count_params(model_dir: str) -> int:
 
 def decode_ceiling(params: int, dtype: str, gbps: float) -> dict:
     weight_bytes = params * BYTES_PER_PARAM[dtype]
-    return {"params": params, "dtype": dtype, "weight_bytes": weight_bytes,
-            "tok_s_ceiling": gbps * 1e9 / weight_bytes}
+    return {"params": params, "dtype": dtype, "weight_bytes": weight_bytes, "tok_s_ceiling": gbps * 1e9 / weight_bytes}
 
 
 def cmd_bandwidth(args: argparse.Namespace) -> int:
     bw = read_bandwidth(args.size_mib, args.repeats, args.threads)
-    print(f"read bandwidth: sum {bw['sum_gbps']:.1f} GB/s (median {bw['sum_median_gbps']:.1f}), "
-          f"gemv {bw['gemv_gbps']:.1f} GB/s (median {bw['gemv_median_gbps']:.1f}); "
-          f"{bw['threads']} threads, {bw['bytes'] / 2**20:.0f} MiB, best of {args.repeats}")
+    print(
+        f"read bandwidth: sum {bw['sum_gbps']:.1f} GB/s (median {bw['sum_median_gbps']:.1f}), "
+        f"gemv {bw['gemv_gbps']:.1f} GB/s (median {bw['gemv_median_gbps']:.1f}); "
+        f"{bw['threads']} threads, {bw['bytes'] / 2**20:.0f} MiB, best of {args.repeats}"
+    )
     out = {"bandwidth": bw}
     if args.model is not None:
         from axonserve.neuron.model_source import resolve_model
@@ -81,8 +82,10 @@ def cmd_bandwidth(args: argparse.Namespace) -> int:
         for dtype in args.dtype.split(","):
             c = decode_ceiling(params, dtype, bw["best_gbps"])
             out["ceilings"].append(c)
-            print(f"batch-1 decode ceiling {dtype}: {c['weight_bytes'] / 1e6:.0f} MB/step -> "
-                  f"{c['tok_s_ceiling']:.0f} tok/s ({params / 1e6:.1f} M params)")
+            print(
+                f"batch-1 decode ceiling {dtype}: {c['weight_bytes'] / 1e6:.0f} MB/step -> "
+                f"{c['tok_s_ceiling']:.0f} tok/s ({params / 1e6:.1f} M params)"
+            )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
@@ -93,8 +96,13 @@ def add_bandwidth_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size-mib", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="default: all cores")
-    p.add_argument("--model", nargs="?", const="", default=None,
-                   help="model (dir/.gguf; bare flag: the default model) for the decode ceiling")
+    p.add_argument(
+        "--model",
+        nargs="?",
+        const="",
+        default=None,
+        help="model (dir/.gguf; bare flag: the default model) for the decode ceiling",
+    )
     p.add_argument("--dtype", default="float32,bfloat16", help="weight formats, comma list")
     p.add_argument("--out", default=None)
     p.set_defaults(func=cmd_bandwidth)

@@ -19,11 +19,29 @@ import time
 from typing import Any
 
 from axonserve.bench.peers import default_dir, has_module
-from axonserve.bench.serve import (LevelOptions, Workload, add_workload_args, discover_model, request_extras,
-                                   metadata, parse_concurrency, print_summary, run_levels,
-                                   write_outputs)
-from axonserve.bench.servers import (REPO, ServerSpec, axonserve_spec, launch, llama_server_spec,
-                                     llamacpp_spec, stop_group, vllm_axonserve_spec, vllm_spec)
+from axonserve.bench.serve import (
+    LevelOptions,
+    Workload,
+    add_workload_args,
+    discover_model,
+    metadata,
+    parse_concurrency,
+    print_summary,
+    request_extras,
+    run_levels,
+    write_outputs,
+)
+from axonserve.bench.servers import (
+    REPO,
+    ServerSpec,
+    axonserve_spec,
+    launch,
+    llama_server_spec,
+    llamacpp_spec,
+    stop_group,
+    vllm_axonserve_spec,
+    vllm_spec,
+)
 from axonserve.bench.sysload import LoadMonitor
 
 ENGINES = ("axonserve", "vllm", "vllm+axonserve", "llamacpp", "llama-server", "transformers")
@@ -37,7 +55,9 @@ def _peer_venv(given: str | None, name: str) -> str | None:
     return path if os.path.isdir(path) else None
 
 
-def build_specs(a: argparse.Namespace, model_dir: str, gguf: str | None, max_conc: int) -> tuple[list[ServerSpec], list[str]]:
+def build_specs(
+    a: argparse.Namespace, model_dir: str, gguf: str | None, max_conc: int
+) -> tuple[list[ServerSpec], list[str]]:
     """Server specs for the engines asked for and present; skip messages for the rest."""
     cores = os.cpu_count() or 1
     specs, skipped = [], []
@@ -59,8 +79,9 @@ def build_specs(a: argparse.Namespace, model_dir: str, gguf: str | None, max_con
         if has_module(venv, "vllm") and has_module(venv, "structlog"):
             specs.append(vllm_axonserve_spec(venv, model_dir, SERVED_NAME, cores, shlex.split(a.vllm_args)))
         else:
-            skipped.append(f"vllm+axonserve: venv {venv!r} lacks vllm or axonserve's rank dependencies "
-                           "(scripts/setup-vllm)")
+            skipped.append(
+                f"vllm+axonserve: venv {venv!r} lacks vllm or axonserve's rank dependencies (scripts/setup-vllm)"
+            )
     for name in ("llamacpp", "llama-server"):
         if name not in want:
             continue
@@ -88,8 +109,16 @@ def run_server(spec: ServerSpec, work: Workload, opts: LevelOptions, tok: Any, k
         with launch(spec, keep_log=keep_logs) as srv:
             print(f"### {spec.name}: healthy after {srv.startup_s:.1f} s", flush=True)
             model = spec.model or discover_model(srv.base_url)
-            runs = run_levels(srv.base_url, model, work, opts, tok, engine=spec.name,
-                              pgids={srv.proc.pid}, probe=lambda: spec_counters(srv.base_url))
+            runs = run_levels(
+                srv.base_url,
+                model,
+                work,
+                opts,
+                tok,
+                engine=spec.name,
+                pgids={srv.proc.pid},
+                probe=lambda: spec_counters(srv.base_url),
+            )
             spec_stats = spec_summary(spec_counters(srv.base_url))
         for r in runs:  # each level's own speculation: acceptance differs with the batch
             level = spec_summary(r.pop("probe_delta", {}))
@@ -133,30 +162,45 @@ def spec_summary(c: dict[str, float]) -> dict:
         return {}
     accepted = c.get("num_accepted_tokens", 0.0)
     pos = sorted(int(k[3:]) for k in c if k.startswith("pos"))
-    return {"verifications": int(drafts), "draft_tokens": int(c.get("num_draft_tokens", 0)),
-            "accepted_tokens": int(accepted), "mean_accepted_length": round(1 + accepted / drafts, 3),
-            "acceptance_by_position": [round(c[f"pos{i}"] / drafts, 3) for i in pos]}
+    return {
+        "verifications": int(drafts),
+        "draft_tokens": int(c.get("num_draft_tokens", 0)),
+        "accepted_tokens": int(accepted),
+        "mean_accepted_length": round(1 + accepted / drafts, 3),
+        "acceptance_by_position": [round(c[f"pos{i}"] / drafts, 3) for i in pos],
+    }
 
 
-def run_transformers(model_dir: str, work: Workload, concs: list[int | None], tok: Any,
-                     timeout_s: float) -> dict:
+def run_transformers(model_dir: str, work: Workload, concs: list[int | None], tok: Any, timeout_s: float) -> dict:
     """Static batches of 1 and of each concurrency, on the first prompts of each level."""
     batches: dict[str, list[list[int]]] = {}
     for level, c in enumerate(concs):
         specs = work.specs((tok, work.vocab_size), level, c)
-        ids = [s.prompt if isinstance(s.prompt, list) else tok.encode(s.prompt, add_special_tokens=False)
-               for s in specs]
+        ids = [
+            s.prompt if isinstance(s.prompt, list) else tok.encode(s.prompt, add_special_tokens=False) for s in specs
+        ]
         n = min(c or len(ids), len(ids))
         if len({len(x) for x in ids[:n]}) != 1:
-            ids = [x[:min(map(len, ids[:n]))] for x in ids]  # static batch: equal lengths
+            ids = [x[: min(map(len, ids[:n]))] for x in ids]  # static batch: equal lengths
         batches[str(n)] = ids[:n]
     print(f"\n### transformers: static batches {list(batches)} (fp32, greedy)", flush=True)
     with tempfile.TemporaryDirectory() as d:
         pfile, ofile = os.path.join(d, "prompts.json"), os.path.join(d, "out.json")
         with open(pfile, "w") as f:
             json.dump(batches, f)
-        cmd = [sys.executable, "-m", "axonserve.bench.hf_floor", "--model-dir", model_dir,
-               "--prompts", pfile, "--output-len", str(work.output_len), "--out", ofile]
+        cmd = [
+            sys.executable,
+            "-m",
+            "axonserve.bench.hf_floor",
+            "--model-dir",
+            model_dir,
+            "--prompts",
+            pfile,
+            "--output-len",
+            str(work.output_len),
+            "--out",
+            ofile,
+        ]
         proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True)
         mon = LoadMonitor({proc.pid})
         mon.start()
@@ -175,8 +219,16 @@ def run_transformers(model_dir: str, work: Workload, concs: list[int | None], to
     for r in raw:
         label = f"transformers batch={r['batch']}"
         # load covers the whole subprocess (model load + all batches), not one batch
-        runs.append({"engine": "transformers", "label": label, "concurrency": r["batch"],
-                     "summary": r["summary"], "load": load, "requests": r["requests"]})
+        runs.append(
+            {
+                "engine": "transformers",
+                "label": label,
+                "concurrency": r["batch"],
+                "summary": r["summary"],
+                "load": load,
+                "requests": r["requests"],
+            }
+        )
         print_summary(label, r["summary"], load)
     return {"engine": "transformers", "note": "fp32 static batch", "runs": runs}
 
@@ -189,9 +241,11 @@ def table(engines: list[dict]) -> str:
     """Markdown table; `axon÷` columns are axonserve's figure over this engine's at the same
     concurrency (tok/s: >1 means axonserve is faster; TTFT/ITL: <1 means axonserve is faster)."""
     base = {r["concurrency"]: r["summary"] for e in engines if e["engine"] == "axonserve" for r in e["runs"]}
-    head = ("| engine | conc | out tok/s | axon÷ tok/s | req/s | TTFT p50 ms | axon÷ TTFT | ITL p50 ms "
-            "| axon÷ ITL | TPOT p50 ms | accepted len | ok/failed | startup s | load1 start→end "
-            "| other procs (cores) |")
+    head = (
+        "| engine | conc | out tok/s | axon÷ tok/s | req/s | TTFT p50 ms | axon÷ TTFT | ITL p50 ms "
+        "| axon÷ ITL | TPOT p50 ms | accepted len | ok/failed | startup s | load1 start→end "
+        "| other procs (cores) |"
+    )
     ncol = head.count("|") - 1
     rows = [head, "|" + "---|" * ncol]
     for e in engines:
@@ -201,7 +255,7 @@ def table(engines: list[dict]) -> str:
         for r in e["runs"]:
             s, b, ld = r["summary"], base.get(r["concurrency"]), r.get("load") or {}
 
-            def ratio(key: str, sub: str | None = None) -> str:
+            def ratio(key: str, sub: str | None = None, b: dict | None = b, s: dict = s) -> str:
                 if b is None:
                     return "-"
                 x, y = (b[key][sub], s[key][sub]) if sub else (b[key], s[key])
@@ -214,7 +268,8 @@ def table(engines: list[dict]) -> str:
                 f"| {_f(r.get('spec_decode', {}).get('mean_accepted_length'), 2)} "
                 f"| {s['completed']}/{s['failed']} | {_f(e.get('startup_s'))} "
                 f"| {_f(ld.get('loadavg_start', [None])[0], 2)}→{_f(ld.get('loadavg_end', [None])[0], 2)} "
-                f"| {_f(ld.get('other_cores'), 2)} |")
+                f"| {_f(ld.get('other_cores'), 2)} |"
+            )
     return "\n".join(rows)
 
 
@@ -227,10 +282,12 @@ def cmd_compare(a: argparse.Namespace) -> int:
     if gguf is None and a.model in (None, "SmolLM2-135M-Instruct"):
         gguf = builtin_smollm2_gguf()
     concs = parse_concurrency(a.concurrency or "1,32")
-    work = Workload(a.input_len, a.output_len, a.num_prompts, a.prompt_kind, a.prefix_len,
-                    a.prefix_groups, a.seed, a.vocab_size)
-    opts = LevelOptions(concs, a.request_rate, a.max_duration, a.warmup, request_extras(a), not a.no_ignore_eos,
-                        not a.no_progress)
+    work = Workload(
+        a.input_len, a.output_len, a.num_prompts, a.prompt_kind, a.prefix_len, a.prefix_groups, a.seed, a.vocab_size
+    )
+    opts = LevelOptions(
+        concs, a.request_rate, a.max_duration, a.warmup, request_extras(a), not a.no_ignore_eos, not a.no_progress
+    )
     tok = tokenizer_for(model_dir, a.prompt_kind)
     specs, skipped = build_specs(a, model_dir, gguf, max(c or 1 for c in concs))
     for msg in skipped:
@@ -239,8 +296,10 @@ def cmd_compare(a: argparse.Namespace) -> int:
     engines = [run_server(s, work, opts, tok, a.keep_logs) for s in specs]
     if "transformers" in a.engines.split(","):
         engines.append(run_transformers(model_dir, work, concs, tok, a.start_timeout or 1800))
-    print(f"\n## bench compare: {os.path.basename(model_dir)}, input {a.input_len} / output "
-          f"{a.output_len} tokens, {a.prompt_kind} prompts, {time.monotonic() - t0:.0f} s total\n")
+    print(
+        f"\n## bench compare: {os.path.basename(model_dir)}, input {a.input_len} / output "
+        f"{a.output_len} tokens, {a.prompt_kind} prompts, {time.monotonic() - t0:.0f} s total\n"
+    )
     print(table(engines))
     for e in engines:
         if e.get("spec_decode"):
@@ -248,9 +307,16 @@ def cmd_compare(a: argparse.Namespace) -> int:
     for msg in skipped:
         print(f"- skipped {msg}")
     runs = [r for e in engines for r in e["runs"]]
-    doc = {"kind": "compare", "meta": metadata(a), "model_dir": model_dir, "gguf": gguf,
-           "skipped": skipped, "engines": [{k: v for k, v in e.items() if k != "runs"} for e in engines],
-           "runs": runs, "table": table(engines)}
+    doc = {
+        "kind": "compare",
+        "meta": metadata(a),
+        "model_dir": model_dir,
+        "gguf": gguf,
+        "skipped": skipped,
+        "engines": [{k: v for k, v in e.items() if k != "runs"} for e in engines],
+        "runs": runs,
+        "table": table(engines),
+    }
     write_outputs(doc, a.out, a.plot, f"bench compare: {os.path.basename(model_dir)}")
     return 0 if all(not e.get("error") for e in engines) else 1
 
@@ -263,8 +329,13 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llamacpp-venv", default=None, help=f"default: {default_dir()}/llamacpp if present")
     p.add_argument("--llama-server", default=None, help="path of a built C++ llama-server binary")
     p.add_argument("--axonserve-args", default="--dtype bfloat16", help="extra `axonserve serve` flags")
-    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
-                   help="also run axonserve with these extra flags, as engine axonserve[NAME] (repeatable)")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="also run axonserve with these extra flags, as engine axonserve[NAME] (repeatable)",
+    )
     p.add_argument("--vllm-args", default="", help="extra vLLM api_server flags")
     p.add_argument("--llamacpp-args", default="", help="extra llama_cpp.server flags")
     p.add_argument("--extra-body", default=None, help="JSON merged into every request body")

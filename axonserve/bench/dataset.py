@@ -59,8 +59,9 @@ def _id_pool(tokenizer: Any, vocab_size: int, kind: PromptKind) -> np.ndarray:
 class PromptFactory:
     """Makes `RequestSpec`s; the same seed gives the same prompts on every engine."""
 
-    def __init__(self, kind: PromptKind = "tokens", tokenizer: Any = None, vocab_size: int = 32000,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, kind: PromptKind = "tokens", tokenizer: Any = None, vocab_size: int = 32000, seed: int = 0
+    ) -> None:
         self.kind, self.tok = kind, tokenizer
         self.rng = np.random.default_rng(seed)
         self.pool = _id_pool(tokenizer, vocab_size, kind)
@@ -77,8 +78,9 @@ class PromptFactory:
         text = self.tok.decode(ids)
         return text, len(self.tok.encode(text, add_special_tokens=False))
 
-    def make(self, num: int, input_len: int, output_len: int, prefix_len: int = 0,
-             prefix_groups: int = 1) -> list[RequestSpec]:
+    def make(
+        self, num: int, input_len: int, output_len: int, prefix_len: int = 0, prefix_groups: int = 1
+    ) -> list[RequestSpec]:
         """`num` prompts of `prefix_len + input_len` tokens; request i shares the prefix of group
         i % prefix_groups (vLLM's --random-prefix-len semantics). Chat: input lengths ignored."""
         if self.kind == "chat":
@@ -101,7 +103,12 @@ class PromptFactory:
         specs = []
         for i in range(num):
             p = pool[int(order[i % len(pool)])]
-            text = (self.tok.apply_chat_template([{"role": "user", "content": p.text}], tokenize=False,
-                                                 add_generation_prompt=True) if p.chat else p.text)
+            text = (
+                self.tok.apply_chat_template(
+                    [{"role": "user", "content": p.text}], tokenize=False, add_generation_prompt=True
+                )
+                if p.chat
+                else p.text
+            )
             specs.append(RequestSpec(text, len(self.tok.encode(text, add_special_tokens=False)), output_len))
         return specs

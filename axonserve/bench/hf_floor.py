@@ -36,17 +36,33 @@ def run_batch(model, prompts: list[list[int]], output_len: int) -> tuple[list[Re
     timer = StepTimer()
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
-                             min_new_tokens=output_len, do_sample=False, streamer=timer,
-                             pad_token_id=model.config.eos_token_id)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            do_sample=False,
+            streamer=timer,
+            pad_token_id=model.config.eos_token_id,
+        )
     dur = time.perf_counter() - t0
     n_out = out.shape[1] - ids.shape[1]
     steps = timer.times[1:]  # times[0]: the prompt echo, before any compute
     ttft = steps[0] - t0
     itl = [b - a for a, b in zip(steps, steps[1:])]
-    res = [RequestResult(ok=True, prompt_len=len(p), output_tokens=n_out, ttft=ttft, itl=list(itl),
-                         finish_reason="length",
-                         e2e=dur, start=0.0) for p in prompts]
+    res = [
+        RequestResult(
+            ok=True,
+            prompt_len=len(p),
+            output_tokens=n_out,
+            ttft=ttft,
+            itl=list(itl),
+            finish_reason="length",
+            e2e=dur,
+            start=0.0,
+        )
+        for p in prompts
+    ]
     return res, dur
 
 
@@ -67,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         batches = json.load(f)
     run_batch(model, [batches[next(iter(batches))][0]], 4)  # warm-up
     runs = []
-    for key, prompts in batches.items():
+    for _key, prompts in batches.items():
         results, dur = run_batch(model, prompts, a.output_len)
         s = summarize(results, dur)
         runs.append({"batch": len(prompts), "summary": s, "requests": [r.to_json() for r in results]})

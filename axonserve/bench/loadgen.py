@@ -31,8 +31,7 @@ def is_loopback(base_url: str) -> bool:
     if host == "localhost":
         return True
     try:
-        return all(ipaddress.ip_address(a[4][0]).is_loopback
-                   for a in socket.getaddrinfo(host, None))
+        return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
     except (OSError, ValueError):
         return False
 
@@ -67,8 +66,9 @@ def request_body(cfg: LoadConfig, spec: RequestSpec) -> dict[str, Any]:
     return body
 
 
-async def send_one(client: aiohttp.ClientSession, url: str, body: dict[str, Any], prompt_len: int,
-                   t0: float) -> RequestResult:
+async def send_one(
+    client: aiohttp.ClientSession, url: str, body: dict[str, Any], prompt_len: int, t0: float
+) -> RequestResult:
     res = RequestResult(ok=False, prompt_len=prompt_len)
     parser = SSEParser()
     chunks = 0
@@ -115,8 +115,7 @@ async def send_one(client: aiohttp.ClientSession, url: str, body: dict[str, Any]
 def _progress(total: int, desc: str, enabled: bool):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc or "requests", unit="req", disable=not enabled,
-                dynamic_ncols=True, leave=False)
+    return tqdm(total=total, desc=desc or "requests", unit="req", disable=not enabled, dynamic_ncols=True, leave=False)
 
 
 async def run_load(cfg: LoadConfig, specs: list[RequestSpec]) -> tuple[list[RequestResult], float]:
@@ -150,8 +149,9 @@ async def run_load(cfg: LoadConfig, specs: list[RequestSpec]) -> tuple[list[Requ
                 bar.update(1)
             except asyncio.CancelledError:
                 if sent:
-                    results.append(RequestResult(ok=False, prompt_len=spec.prompt_len, index=i,
-                                                 error="cancelled at max duration"))
+                    results.append(
+                        RequestResult(ok=False, prompt_len=spec.prompt_len, index=i, error="cancelled at max duration")
+                    )
                 raise
             finally:
                 if sem is not None:

@@ -26,29 +26,54 @@ from axonserve.bench.servers import axonserve_spec, launch
 from axonserve.bench.stats import distribution
 
 # ViT-S/16-like tower at 224 px (196 image tokens); a 4-layer decoder
-BENCH_VISION = dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=6,
-                    image_size=224, patch_size=16)
-BENCH_TEXT = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64)
+BENCH_VISION = dict(
+    hidden_size=384, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=6, image_size=224, patch_size=16
+)
+BENCH_TEXT = dict(
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+)
 
 
 def make_random_llava(out_dir: str, tokenizer_dir: str, vision: dict, text: dict, seed: int = 0) -> str:
     """A random-weight LLaVA with a LlavaProcessor (the tokenizer plus an `<image>` token and a
     CLIPImageProcessor at the tower's size). Matrices N(0, 0.1) so greedy logits are well apart."""
     import torch
-    from transformers import AutoTokenizer, CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration
-    from transformers import LlavaProcessor
+    from transformers import (
+        AutoTokenizer,
+        CLIPImageProcessor,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     tok.add_tokens(["<image>"], special_tokens=True)
     image_id = tok.convert_tokens_to_ids("<image>")
     size, patch = vision["image_size"], vision["patch_size"]
-    text = {"tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "max_position_embeddings": 1024,
-            **text, "vocab_size": len(tok) + 7, "model_type": "llama"}
+    text = {
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "max_position_embeddings": 1024,
+        **text,
+        "vocab_size": len(tok) + 7,
+        "model_type": "llama",
+    }
     vision = {**vision, "model_type": "clip_vision_model", "projection_dim": vision["hidden_size"]}
-    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_id, projector_hidden_act="gelu",
-                      vision_feature_layer=-2, vision_feature_select_strategy="default",
-                      image_seq_length=(size // patch) ** 2)
+    cfg = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=image_id,
+        projector_hidden_act="gelu",
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        image_seq_length=(size // patch) ** 2,
+    )
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(cfg).eval()
     with torch.no_grad():
@@ -57,8 +82,14 @@ def make_random_llava(out_dir: str, tokenizer_dir: str, vision: dict, text: dict
                 p.normal_(0, 0.1)
     model.save_pretrained(out_dir, safe_serialization=True)
     images = CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
-    LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=patch, vision_feature_select_strategy="default",
-                   num_additional_image_tokens=1, chat_template=tok.chat_template).save_pretrained(out_dir)
+    LlavaProcessor(
+        image_processor=images,
+        tokenizer=tok,
+        patch_size=patch,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=tok.chat_template,
+    ).save_pretrained(out_dir)
     return out_dir
 
 
@@ -86,8 +117,15 @@ def workload(n: int, image_fraction: float, repeat_fraction: float, seed: int) -
         if rng.random() < image_fraction:
             img = rng.choice(seen) if seen and rng.random() < repeat_fraction else 1000 + i
             seen.append(img)
-            out.append(("image", [{"type": "text", "text": f"Describe this: {words}"},
-                                  {"type": "image_url", "image_url": {"url": png_data_url(img)}}]))
+            out.append(
+                (
+                    "image",
+                    [
+                        {"type": "text", "text": f"Describe this: {words}"},
+                        {"type": "image_url", "image_url": {"url": png_data_url(img)}},
+                    ],
+                )
+            )
         else:
             out.append(("text", [{"type": "text", "text": f"Tell me about {words}"}]))
     return out
@@ -102,8 +140,14 @@ async def run_load(base_url: str, reqs: list[tuple[str, list]], concurrency: int
 
     async def one(http: httpx.AsyncClient, kind: str, content: list) -> None:
         nonlocal errors
-        body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-                "min_tokens": max_tokens, "temperature": 0, "stream": True}
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "min_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
         async with sem:
             t0 = time.perf_counter()
             async with http.stream("POST", base_url + "/v1/chat/completions", json=body) as r:
@@ -112,8 +156,12 @@ async def run_load(base_url: str, reqs: list[tuple[str, list]], concurrency: int
                     return
                 first = None
                 async for line in r.aiter_lines():
-                    if first is None and line.startswith("data: {") and '"content":"' in line \
-                            and '"content":""' not in line:
+                    if (
+                        first is None
+                        and line.startswith("data: {")
+                        and '"content":"' in line
+                        and '"content":""' not in line
+                    ):
                         first = time.perf_counter() - t0
                 if first is not None:
                     ttft[kind].append(first)
@@ -121,8 +169,11 @@ async def run_load(base_url: str, reqs: list[tuple[str, list]], concurrency: int
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=300) as http:
         await asyncio.gather(*(one(http, k, c) for k, c in reqs))
-    return {"duration_s": round(time.perf_counter() - t0, 2), "errors": errors,
-            **{f"ttft_{k}": distribution(v) for k, v in ttft.items()}}
+    return {
+        "duration_s": round(time.perf_counter() - t0, 2),
+        "errors": errors,
+        **{f"ttft_{k}": distribution(v) for k, v in ttft.items()},
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -138,18 +189,37 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     from axonserve.neuron.model_source import resolve_model
 
-    model = a.model_dir or make_random_llava(tempfile.mkdtemp(prefix="mm-bench-"), resolve_model(None),
-                                             BENCH_VISION, BENCH_TEXT, a.seed)
+    model = a.model_dir or make_random_llava(
+        tempfile.mkdtemp(prefix="mm-bench-"), resolve_model(None), BENCH_VISION, BENCH_TEXT, a.seed
+    )
     reqs = workload(a.requests, a.image_fraction, a.repeat_fraction, a.seed)
-    report: dict[str, Any] = {"model": model, "cores": len(os.sched_getaffinity(0)), "requests": a.requests,
-                              "concurrency": a.concurrency, "image_fraction": a.image_fraction, "runs": {}}
+    report: dict[str, Any] = {
+        "model": model,
+        "cores": len(os.sched_getaffinity(0)),
+        "requests": a.requests,
+        "concurrency": a.concurrency,
+        "image_fraction": a.image_fraction,
+        "runs": {},
+    }
     for n in a.encoder_workers:
-        spec = axonserve_spec(model, ["--served-model-name", "m", "--encoder-workers", str(n),
-                                      "--max-model-len", "1024", "--log-level", "warning"])
+        spec = axonserve_spec(
+            model,
+            [
+                "--served-model-name",
+                "m",
+                "--encoder-workers",
+                str(n),
+                "--max-model-len",
+                "1024",
+                "--log-level",
+                "warning",
+            ],
+        )
         with launch(spec) as srv:
             asyncio.run(run_load(srv.base_url, reqs[: a.concurrency], a.concurrency, a.max_tokens))  # warm-up
             report["runs"][f"encoder_workers={n}"] = asyncio.run(
-                run_load(srv.base_url, reqs, a.concurrency, a.max_tokens))
+                run_load(srv.base_url, reqs, a.concurrency, a.max_tokens)
+            )
     print(json.dumps(report, indent=1))
 
 

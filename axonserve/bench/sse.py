@@ -26,7 +26,7 @@ class SSEParser:
             nl = self._buf.find("\n")
             if nl < 0:
                 return events
-            line, self._buf = self._buf[:nl], self._buf[nl + 1:]
+            line, self._buf = self._buf[:nl], self._buf[nl + 1 :]
             if line == "":
                 if self._data:
                     events.append("\n".join(self._data))

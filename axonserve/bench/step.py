@@ -34,9 +34,16 @@ def make_null_model(out_dir: str, tokenizer_dir: str) -> str:
     """A model directory for `AxonNullForCausalLM` with a real tokenizer (the client needs one)."""
     os.makedirs(out_dir, exist_ok=True)
     cfg = {
-        "architectures": ["AxonNullForCausalLM"], "model_type": "llama", "hidden_size": 8,
-        "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
-        "vocab_size": NULL_VOCAB, "max_position_embeddings": 8192, "eos_token_id": 0,
+        "architectures": ["AxonNullForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 1,
+        "num_key_value_heads": 1,
+        "vocab_size": NULL_VOCAB,
+        "max_position_embeddings": 8192,
+        "eos_token_id": 0,
     }
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f)
@@ -60,6 +67,7 @@ async def _run(config: EngineConfig, batches: list[int], tokens: int, bar: tqdm)
     rows = []
     try:
         for b in batches:
+
             async def one(i: int) -> None:
                 async for _ in client.generate([1 + i % (NULL_VOCAB - 1)] * 8, params):
                     pass
@@ -69,8 +77,9 @@ async def _run(config: EngineConfig, batches: list[int], tokens: int, bar: tqdm)
             await asyncio.gather(*(one(i) for i in range(b)))
             dt = time.perf_counter() - t0
             steps = (await client.get_stats()).num_forwards - s0
-            rows.append({"batch": b, "steps": steps, "us_per_step": dt / steps * 1e6,
-                         "us_per_token": dt / (b * tokens) * 1e6})
+            rows.append(
+                {"batch": b, "steps": steps, "us_per_step": dt / steps * 1e6, "us_per_token": dt / (b * tokens) * 1e6}
+            )
             bar.update(1)
     finally:
         client.close()
@@ -88,23 +97,38 @@ def run_step_bench(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="axonserve-null-") as d:
         model = make_null_model(d, resolve_model("SmolLM2-135M-Instruct"))
         config = EngineConfig(
-            model=model, served_model_name="null", max_num_seqs=max(batches),
-            max_num_batched_tokens=max(2048, 8 * max(batches)), num_kv_blocks=max(batches) * (args.tokens // 16 + 2),
-            num_workers=args.num_workers, num_scheduler_steps=args.num_scheduler_steps,
-            async_scheduling=args.async_scheduling, log_level="warning",
+            model=model,
+            served_model_name="null",
+            max_num_seqs=max(batches),
+            max_num_batched_tokens=max(2048, 8 * max(batches)),
+            num_kv_blocks=max(batches) * (args.tokens // 16 + 2),
+            num_workers=args.num_workers,
+            num_scheduler_steps=args.num_scheduler_steps,
+            async_scheduling=args.async_scheduling,
+            log_level="warning",
         )
         with tqdm(total=len(batches), desc=f"bench step ({args.num_workers} rank(s))") as bar:
             rows = uvloop.run(_run(config, batches, args.tokens, bar))
-    print(f"{'batch':>6} {'steps':>6} {'us/step':>9} {'us/token':>9}   ({args.num_workers} worker rank(s), "
-          f"{args.num_scheduler_steps} forward(s) per plan at most, "
-          f"{'async' if args.async_scheduling else 'sync'} scheduling, null model)")
+    print(
+        f"{'batch':>6} {'steps':>6} {'us/step':>9} {'us/token':>9}   ({args.num_workers} worker rank(s), "
+        f"{args.num_scheduler_steps} forward(s) per plan at most, "
+        f"{'async' if args.async_scheduling else 'sync'} scheduling, null model)"
+    )
     for r in rows:
         print(f"{r['batch']:>6} {r['steps']:>6} {r['us_per_step']:>9.0f} {r['us_per_token']:>9.1f}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"num_workers": args.num_workers, "num_scheduler_steps": args.num_scheduler_steps,
-                       "async_scheduling": args.async_scheduling,
-                       "tokens": args.tokens, "rows": rows}, f, indent=2)
+            json.dump(
+                {
+                    "num_workers": args.num_workers,
+                    "num_scheduler_steps": args.num_scheduler_steps,
+                    "async_scheduling": args.async_scheduling,
+                    "tokens": args.tokens,
+                    "rows": rows,
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 
@@ -113,7 +137,11 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=128, help="tokens each request decodes")
     p.add_argument("--num-workers", type=int, default=1, help="worker ranks the plan is broadcast to")
     p.add_argument("--num-scheduler-steps", type=int, default=1, help="multi-step decoding: forwards per plan")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
-                   help="plan the next step while one runs")
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="plan the next step while one runs",
+    )
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.set_defaults(func=run_step_bench)

@@ -28,7 +28,7 @@ def _proc_cpu_s(pid: int) -> tuple[int, int, float] | None:
             s = f.read()
     except OSError:
         return None
-    rest = s[s.rindex(")") + 2:].split()
+    rest = s[s.rindex(")") + 2 :].split()
     ppid, pgid = int(rest[1]), int(rest[2])
     ut, st, cut, cst = (int(x) for x in rest[11:15])
     return ppid, pgid, (ut + st + cut + cst) / _TICK
@@ -75,7 +75,11 @@ class LoadMonitor:
         busy, own = _busy_s() - self._busy, own_cpu_s(self.pgids) - self._own
         other = max(0.0, busy - own)
         self.result.update(
-            loadavg_end=loadavg(), wall_s=wall, cpus=os.cpu_count(), own_cpu_s=own,
-            other_cpu_s=other, other_cores=other / wall if wall > 0 else 0.0,
+            loadavg_end=loadavg(),
+            wall_s=wall,
+            cpus=os.cpu_count(),
+            own_cpu_s=own,
+            other_cpu_s=other,
+            other_cores=other / wall if wall > 0 else 0.0,
         )
         return self.result

@@ -5,9 +5,10 @@ block's hash, its token ids, extra keys such as image hashes), so equal prefixes
 equal hash chains. The hash is keyed BLAKE2b (128 bits) over a canonical msgpack encoding,
 with a random key per block manager (per engine): a client cannot craft a prompt whose
 blocks collide with another request's and read its KV (vLLM's CVE-2025-25183 was Python's
-`hash()` here). Hashes are only compared within one scheduler; nothing else relies on them. A new request reuses every leading block already cached (refcounted,
-shared read-only) and computes only the rest. Freed blocks keep their hash and stay
-findable in an LRU free list until the pool needs them (lazy eviction), so a finished
+`hash()` here). Hashes are only compared within one scheduler; nothing else relies on them.
+A new request reuses every leading block already cached (refcounted, shared read-only) and
+computes only the rest. Freed blocks keep their hash and stay findable in an LRU free list
+until the pool needs them (lazy eviction), so a finished
 conversation's prefix is still a hit for the next turn. Block tables are append-only.
 """
 
@@ -25,8 +26,9 @@ _encode = msgspec.msgpack.Encoder().encode
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_key: bytes | None = None):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, hash_key: bytes | None = None
+    ):
         """hash_key: the prefix-hash key (default: 32 random bytes, fresh per instance)."""
         self.num_blocks = num_blocks
         self.block_size = block_size

@@ -118,9 +118,14 @@ class PrefillStage:
         req.num_cached_tokens = d.num_cached_tokens  # the prefill engine's prefix-cache hit
         sched.ttft.append(now - req.t_arrival)
         sched.generation_tokens += 1
-        delta = RequestDelta(req.request_id, d.new_token_ids[:1], logprobs=d.logprobs,
-                             prompt_logprobs=d.prompt_logprobs, num_prompt_tokens=req.num_prompt_tokens,
-                             num_cached_tokens=req.num_cached_tokens)
+        delta = RequestDelta(
+            req.request_id,
+            d.new_token_ids[:1],
+            logprobs=d.logprobs,
+            prompt_logprobs=d.prompt_logprobs,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+        )
         if done:
             delta.finish_reason, delta.stop_reason = req.finish_reason, req.stop_reason
         await self.core.emit([delta])  # before any later token of it can leave

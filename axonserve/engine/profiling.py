@@ -49,8 +49,15 @@ class ProfilerStage:
         self.seq += 1
         cmd = ProfileCommand(action, self.seq, stamp=time.time_ns())
         await self.core.broadcast(cmd)
-        ack = await self.core.await_reply(f"profiler {action} #{cmd.seq}", PROFILE_TIMEOUT_S, lambda r: (
-            None if isinstance(r, ProfileAck) and r.seq == cmd.seq else f"not the ack of profiler command #{cmd.seq}"))
+        ack = await self.core.await_reply(
+            f"profiler {action} #{cmd.seq}",
+            PROFILE_TIMEOUT_S,
+            lambda r: (
+                None
+                if isinstance(r, ProfileAck) and r.seq == cmd.seq
+                else f"not the ack of profiler command #{cmd.seq}"
+            ),
+        )
         if ack is None:
             return
         self.core.log.info("profiler", action=action, error=ack.error, files=ack.files)

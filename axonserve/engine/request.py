@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 import time
-
 from typing import Any
 
 from axonserve.protocol.messages import KVBlocks, MultiModalInput, PoolingParams, SamplingParams, TokenLogprobs

@@ -30,20 +30,20 @@ from typing import Any
 
 import msgspec
 
-from axonserve.engine.block_manager import BlockManager
 from axonserve.config import SpeculativeConfig
+from axonserve.engine.block_manager import BlockManager
 from axonserve.engine.buckets import BucketConfig
 from axonserve.engine.request import Request, Status
+from axonserve.protocol.codec import TensorRef
 from axonserve.protocol.messages import (
     CachedRequestData,
-    ParamError,
     NewRequestData,
+    ParamError,
     RequestDelta,
     RequestStats,
     StepPlan,
     StepResult,
 )
-from axonserve.protocol.codec import TensorRef
 from axonserve.speculative.scheduler import SpecDecoding
 from axonserve.speculative.tree import tree_depths
 
@@ -139,10 +139,7 @@ class Scheduler:
                 f"({cfg.buckets.max_context_len}) with chunked prefill disabled"
             )
         if self.blocks.blocks_needed(n + 1) > cfg.num_kv_blocks:
-            return (
-                f"prompt needs {self.blocks.blocks_needed(n + 1)} KV blocks but the pool "
-                f"holds {cfg.num_kv_blocks}"
-            )
+            return f"prompt needs {self.blocks.blocks_needed(n + 1)} KV blocks but the pool holds {cfg.num_kv_blocks}"
         return None
 
     def _check_pooling(self, req: Request) -> str | None:
@@ -265,8 +262,11 @@ class Scheduler:
             return 1
         for r in self.running:
             p = r.params
-            if r.num_tokens + r.num_pending - r.num_computed_tokens != 1 or p.logprobs is not None \
-                    or p.structured_outputs is not None:
+            if (
+                r.num_tokens + r.num_pending - r.num_computed_tokens != 1
+                or p.logprobs is not None
+                or p.structured_outputs is not None
+            ):
                 return 1
         return max(1, min(cfg.num_scheduler_steps, cfg.max_num_batched_tokens // len(self.running)))
 
@@ -280,7 +280,8 @@ class Scheduler:
 
         decodes = any(remaining(r) == 1 for r in self.running)
         prefills = any(remaining(r) > 1 for r in self.running) or (
-            bool(self.waiting) and len(self.running) < self.cfg.max_num_seqs)
+            bool(self.waiting) and len(self.running) < self.cfg.max_num_seqs
+        )
         if prefills and (not decodes or self._last_phase == "decode"):
             order = ("prefill", "decode")
         else:
@@ -383,8 +384,7 @@ class Scheduler:
         n = req.num_tokens - hit
         limit = budget if max_chunk is None else min(budget, max_chunk)
         ever = cfg.max_num_batched_tokens if max_chunk is None else min(cfg.max_num_batched_tokens, max_chunk)
-        if (not cfg.enable_chunked_prefill and limit < n <= ever) or \
-                not self.blocks.ensure(req, hit + min(n, limit)):
+        if (not cfg.enable_chunked_prefill and limit < n <= ever) or not self.blocks.ensure(req, hit + min(n, limit)):
             self.blocks.free(req)
             req.num_computed_tokens = 0
             return 0
@@ -442,15 +442,16 @@ class Scheduler:
                 new_n.append(n)
                 req.sent_to_worker = True
             else:
-                cached.append(
-                    CachedRequestData(req.request_id, req.block_ids[req.num_blocks_sent :])
-                )
+                cached.append(CachedRequestData(req.request_id, req.block_ids[req.num_blocks_sent :]))
                 cached_n.append(n)
             req.num_blocks_sent = len(req.block_ids)
             req.num_computed_tokens += n
         # (request, tokens it samples): one, or a multi-step plan's n
-        sampling = [(r, n if multi_step else 1) for r, n in scheduled
-                    if r.pooling is None and r.num_computed_tokens >= r.num_tokens + r.num_pending]
+        sampling = [
+            (r, n if multi_step else 1)
+            for r, n in scheduled
+            if r.pooling is None and r.num_computed_tokens >= r.num_tokens + r.num_pending
+        ]
         for r, m in sampling:
             r.num_pending += m
         self._in_flight.append(([r for r, _ in scheduled], sampling))
@@ -458,8 +459,14 @@ class Scheduler:
         # EAGLE drafts on worker rank 0 in the step itself, for requests that sample at its end;
         # above disable_by_batch_size the head is skipped (it would only take cores from the step)
         eagle = self.want_features and self.spec is not None and self.spec.active(self.running)
-        num_drafts = {r.request_id: k for r, k in self.spec.pick(
-            [r for r, _ in scheduled if r.num_computed_tokens >= r.num_tokens])} if eagle else {}
+        num_drafts = (
+            {
+                r.request_id: k
+                for r, k in self.spec.pick([r for r, _ in scheduled if r.num_computed_tokens >= r.num_tokens])
+            }
+            if eagle
+            else {}
+        )
         plan = StepPlan(
             step_id=self._step_id,
             new=new,
@@ -499,7 +506,7 @@ class Scheduler:
                 continue
             have = len(req.prompt_logprobs) + 1  # index of the next prompt token without one
             if pl.start <= have:  # a recompute after preemption may repeat some
-                req.prompt_logprobs.extend(pl.logprobs[have - pl.start:])
+                req.prompt_logprobs.extend(pl.logprobs[have - pl.start :])
         deltas = []
         now = time.monotonic()
         lps = result.logprobs
@@ -605,17 +612,19 @@ class Scheduler:
         self.requests.pop(req.request_id, None)
         now = time.monotonic()
         start = req.t_scheduled or now
-        self.finished_stats.append(RequestStats(
-            finish_reason=req.finish_reason or "abort",
-            e2e_s=now - req.t_arrival,
-            queue_s=start - req.t_arrival,
-            prompt_tokens=req.num_prompt_tokens,
-            generation_tokens=req.num_output_tokens,
-            cached_tokens=req.num_cached_tokens,
-            prefill_s=(req.t_first or now) - start,
-            decode_s=now - (req.t_first or now),
-            max_tokens=req.params.max_tokens or 0,
-        ))
+        self.finished_stats.append(
+            RequestStats(
+                finish_reason=req.finish_reason or "abort",
+                e2e_s=now - req.t_arrival,
+                queue_s=start - req.t_arrival,
+                prompt_tokens=req.num_prompt_tokens,
+                generation_tokens=req.num_output_tokens,
+                cached_tokens=req.num_cached_tokens,
+                prefill_s=(req.t_first or now) - start,
+                decode_s=now - (req.t_first or now),
+                max_tokens=req.params.max_tokens or 0,
+            )
+        )
         self._order.pop(req.request_id, None)
 
     def stats(self) -> dict[str, int | float | list]:
@@ -639,5 +648,6 @@ class Scheduler:
         if self.spec is None:
             return {}
         drafts, drafted, accepted, per_pos = self.spec.counters()
-        return dict(spec_drafts=drafts, spec_draft_tokens=drafted, spec_accepted_tokens=accepted,
-                    spec_accepted_per_pos=per_pos)
+        return dict(
+            spec_drafts=drafts, spec_draft_tokens=drafted, spec_accepted_tokens=accepted, spec_accepted_per_pos=per_pos
+        )

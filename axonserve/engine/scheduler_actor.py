@@ -73,10 +73,17 @@ class SchedulerActor(Actor):
         await self._wait_subscribers(cfg.num_workers)
         self.sched, max_len = self._make_scheduler(info)
         self.engine_info = EngineInfo(
-            model=cfg.model, served_model_name=cfg.served_model_name or cfg.model, max_model_len=max_len,
-            block_size=cfg.block_size, num_kv_blocks=self.sched.cfg.num_kv_blocks, max_num_seqs=cfg.max_num_seqs,
-            eos_token_ids=sorted(self.sched.cfg.eos_token_ids), vocab_size=self.sched.cfg.vocab_size,
-            version=__version__, task=self.sched.cfg.task, limits=cfg.limits,
+            model=cfg.model,
+            served_model_name=cfg.served_model_name or cfg.model,
+            max_model_len=max_len,
+            block_size=cfg.block_size,
+            num_kv_blocks=self.sched.cfg.num_kv_blocks,
+            max_num_seqs=cfg.max_num_seqs,
+            eos_token_ids=sorted(self.sched.cfg.eos_token_ids),
+            vocab_size=self.sched.cfg.vocab_size,
+            version=__version__,
+            task=self.sched.cfg.task,
+            limits=cfg.limits,
         )
         self.dead = asyncio.Event()
         self._work = asyncio.Event()
@@ -106,24 +113,28 @@ class SchedulerActor(Actor):
         if pool_tokens < max_len and not embed:  # one sequence must always fit, or preemption cannot help
             self.log.warning("max_model_len_clamped", max_model_len=max_len, kv_pool_tokens=pool_tokens)
             max_len = pool_tokens
-        return Scheduler(SchedulerConfig(
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_len if embed else 1),
-            max_model_len=max_len,
-            block_size=cfg.block_size,
-            num_kv_blocks=int(info["num_kv_blocks"]),
-            vocab_size=int(info["vocab_size"]),
-            eos_token_ids=frozenset(info["eos_token_ids"]),  # type: ignore[arg-type]
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            enable_chunked_prefill=cfg.enable_chunked_prefill,
-            policy=cfg.scheduling_policy,
-            buckets=buckets,
-            task=task,
-            speculative=cfg.speculative,
-            async_scheduling=cfg.async_scheduling and cfg.speculative is None and buckets is None
-            and cfg.role == "both",
-            num_scheduler_steps=cfg.num_scheduler_steps,
-        )), max_len
+        return Scheduler(
+            SchedulerConfig(
+                max_num_seqs=cfg.max_num_seqs,
+                max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_len if embed else 1),
+                max_model_len=max_len,
+                block_size=cfg.block_size,
+                num_kv_blocks=int(info["num_kv_blocks"]),
+                vocab_size=int(info["vocab_size"]),
+                eos_token_ids=frozenset(info["eos_token_ids"]),  # type: ignore[arg-type]
+                enable_prefix_caching=cfg.enable_prefix_caching,
+                enable_chunked_prefill=cfg.enable_chunked_prefill,
+                policy=cfg.scheduling_policy,
+                buckets=buckets,
+                task=task,
+                speculative=cfg.speculative,
+                async_scheduling=cfg.async_scheduling
+                and cfg.speculative is None
+                and buckets is None
+                and cfg.role == "both",
+                num_scheduler_steps=cfg.num_scheduler_steps,
+            )
+        ), max_len
 
     async def _wait_subscribers(self, n: int) -> None:
         """XPUB reports each SUB's subscription: plans sent before that would be lost."""
@@ -191,8 +202,9 @@ class SchedulerActor(Actor):
 
     async def _finish(self, step: Step) -> Step | None:
         """Await the step's result and fold it into the scheduler's state; None: the engine failed."""
-        result = await self.await_reply(f"step {step.plan.step_id}", self.config.step_timeout_s,
-                                        lambda r: result_problem(step.plan, r))
+        result = await self.await_reply(
+            f"step {step.plan.step_id}", self.config.step_timeout_s, lambda r: result_problem(step.plan, r)
+        )
         if result is not None and result.error:
             await self.fail(f"worker error: {result.error}")
             return None
@@ -225,8 +237,12 @@ class SchedulerActor(Actor):
         for rid in dropped:
             req = self.sched.requests.get(rid)
             if req is not None and req.status == Status.PREEMPTED:
-                self.log.info("request.preempted", request_id=rid, num_tokens=req.num_tokens,
-                              num_preemptions=self.sched.num_preemptions)
+                self.log.info(
+                    "request.preempted",
+                    request_id=rid,
+                    num_tokens=req.num_tokens,
+                    num_preemptions=self.sched.num_preemptions,
+                )
 
     # ------------------------------------------------------------------ clients
 
@@ -240,9 +256,15 @@ class SchedulerActor(Actor):
                 if aborted:
                     await self.emit([_final(r) for r in aborted])
             elif isinstance(msg, GetStats):
-                await self.reply(ident, EngineStats(
-                    num_rejected_overload=self.num_rejected_overload, mm_images=self.mm_images,
-                    mm_cache_hits=self.encoders.cache_hits if self.encoders else 0, **self.sched.stats()))
+                await self.reply(
+                    ident,
+                    EngineStats(
+                        num_rejected_overload=self.num_rejected_overload,
+                        mm_images=self.mm_images,
+                        mm_cache_hits=self.encoders.cache_hits if self.encoders else 0,
+                        **self.sched.stats(),
+                    ),
+                )
             elif isinstance(msg, (StartProfile, StopProfile)):
                 await self.profiler.command(ident, "start" if isinstance(msg, StartProfile) else "stop")
                 self._work.set()
@@ -262,6 +284,7 @@ class SchedulerActor(Actor):
 
     async def _add(self, ident: bytes, msg: AddRequest, frames: list) -> None:
         """Admit a request (or answer why not: 503 overloaded or dead, 400 invalid)."""
+
         def reject(why: str, code: int = 400) -> Outputs:
             self.log.warning("request.rejected", request_id=msg.request_id, reason=why, code=code)
             return Outputs([RequestDelta(msg.request_id, finish_reason="error", error=why, error_code=code)])
@@ -280,8 +303,15 @@ class SchedulerActor(Actor):
         except ParamError as e:
             await self.reply(ident, reject(str(e)))
             return
-        req = Request(msg.request_id, msg.prompt_token_ids, msg.params, self.sched.cfg.max_model_len,
-                      priority=msg.priority, arrival_time=msg.arrival_time or None, pooling=msg.pooling)
+        req = Request(
+            msg.request_id,
+            msg.prompt_token_ids,
+            msg.params,
+            self.sched.cfg.max_model_len,
+            priority=msg.priority,
+            arrival_time=msg.arrival_time or None,
+            pooling=msg.pooling,
+        )
         req.kv_export = msg.kv_export and self.config.role == "prefill"
         why = self.sched.check(req)
         if why is None and self.prefill is not None:
@@ -330,8 +360,18 @@ class SchedulerActor(Actor):
             if gone:
                 self.log.warning("request.timeout", request_ids=[r.request_id for r in gone], timeout_s=timeout)
                 why = f"request exceeded the server's request timeout ({timeout:g} s)"
-                await self.emit([RequestDelta(r.request_id, finish_reason="error", error_code=408, error=why,
-                                              num_prompt_tokens=r.num_prompt_tokens) for r in gone])
+                await self.emit(
+                    [
+                        RequestDelta(
+                            r.request_id,
+                            finish_reason="error",
+                            error_code=408,
+                            error=why,
+                            num_prompt_tokens=r.num_prompt_tokens,
+                        )
+                        for r in gone
+                    ]
+                )
 
     # ------------------------------------------------------------------ the core interface (engine/stage.py)
 
@@ -342,8 +382,13 @@ class SchedulerActor(Actor):
             await self.prefill.send(req)
             return
         self.sched.add(req)
-        self.log.debug("request.added", request_id=req.request_id, prompt_tokens=req.num_prompt_tokens,
-                       max_tokens=req.params.max_tokens, priority=req.priority)
+        self.log.debug(
+            "request.added",
+            request_id=req.request_id,
+            prompt_tokens=req.num_prompt_tokens,
+            max_tokens=req.params.max_tokens,
+            priority=req.priority,
+        )
         self._work.set()
 
     async def emit(self, deltas: list[RequestDelta], vectors: dict[str, memoryview] | None = None) -> None:
@@ -355,8 +400,13 @@ class SchedulerActor(Actor):
             if d.finish_reason:
                 self._deadlines.pop(d.request_id, None)
                 emit = {"error": self.log.warning, "abort": self.log.info}.get(d.finish_reason, self.log.debug)
-                emit("request.finished", request_id=d.request_id, finish_reason=d.finish_reason,
-                     stop_reason=d.stop_reason, error=d.error)  # (normal ends at debug: the frontend logs them)
+                emit(
+                    "request.finished",
+                    request_id=d.request_id,
+                    finish_reason=d.finish_reason,
+                    stop_reason=d.stop_reason,
+                    error=d.error,
+                )  # (normal ends at debug: the frontend logs them)
             if ident is not None:
                 by_client[ident].append(d)
         now = time.time()
@@ -428,6 +478,11 @@ class SchedulerActor(Actor):
 
 def _final(req: Request, error: str | None = None) -> RequestDelta:
     """The last delta of a request ended here (aborted, or failed with `error`)."""
-    return RequestDelta(req.request_id, finish_reason=req.finish_reason or "abort", error=error,
-                        num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
-                        error_code=500 if error else 0)
+    return RequestDelta(
+        req.request_id,
+        finish_reason=req.finish_reason or "abort",
+        error=error,
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_cached_tokens=req.num_cached_tokens,
+        error_code=500 if error else 0,
+    )

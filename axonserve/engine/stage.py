@@ -55,8 +55,9 @@ async def recv_before(sock: Any, deadline: float, dead: asyncio.Event) -> list |
     recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
     stop = asyncio.ensure_future(dead.wait())
     try:
-        done, _ = await asyncio.wait({recv, stop}, timeout=max(0.0, deadline - time.monotonic()),
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {recv, stop}, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
+        )
     finally:
         stop.cancel()
     if recv not in done:

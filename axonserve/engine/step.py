@@ -35,8 +35,11 @@ def result_problem(plan: StepPlan, r: object) -> str | None:
     counts = r.num_sampled or [1] * n
     if len(counts) != n or min(counts, default=1) < 1 or sum(counts) != len(r.sampled_token_ids):
         return "sampled tokens do not match the request ids"
-    if (r.logprobs is not None and len(r.logprobs) != n) or len(r.draft_token_ids) != len(r.draft_request_ids) \
-            or (r.draft_parents and len(r.draft_parents) != len(r.draft_request_ids)):
+    if (
+        (r.logprobs is not None and len(r.logprobs) != n)
+        or len(r.draft_token_ids) != len(r.draft_request_ids)
+        or (r.draft_parents and len(r.draft_parents) != len(r.draft_request_ids))
+    ):
         return "per-request lists of different lengths"
     planned = {x.request_id for x in plan.new} | {x.request_id for x in plan.cached}
     if not planned.issuperset(r.request_ids) or not planned.issuperset(r.pooled_request_ids):
@@ -79,25 +82,47 @@ class StepStatsPublisher:
         per_pos = [a - b for a, b in zip(spec[3], self.last_per_pos)]
         self.last, self.last_per_pos = cur, spec[3]
         rt = step.roundtrip_s
-        self.log.debug("step", step_id=plan.step_id, seqs=len(plan.num_scheduled_tokens),
-                       tokens=sum(plan.num_scheduled_tokens), new=len(plan.new),
-                       schedule_ms=round(step.schedule_s * 1e3, 2), roundtrip_ms=round(rt * 1e3, 2),
-                       forward_ms=round(result.forward_s * 1e3, 2), sample_ms=round(result.sample_s * 1e3, 2),
-                       update_ms=round(step.update_s * 1e3, 2))
-        self.publish(StepStats(
-            num_running=len(s.running), num_waiting=len(s.waiting),
-            kv_cache_usage=s.blocks.usage(),
-            num_seqs=len(plan.num_scheduled_tokens), num_tokens=sum(plan.num_scheduled_tokens),
-            prompt_tokens=d[0], generation_tokens=d[1], num_preemptions=d[2],
-            prefix_cache_queries=d[3], prefix_cache_hits=d[4],
-            schedule_s=step.schedule_s, roundtrip_s=rt, forward_s=result.forward_s,
-            sample_s=result.sample_s, update_s=step.update_s,
-            ttft_s=s.ttft, itl_s=s.itl, dropped=dropped,
-            send_s=step.send_s, return_s=max(0.0, rt - step.send_s - result.forward_s - result.sample_s),
-            spec_drafts=d[5], spec_draft_tokens=d[6], spec_accepted_tokens=d[7],
-            spec_accepted_per_pos=per_pos if any(per_pos) else [],
-            num_forwards=plan.num_forwards,
-        ))
+        self.log.debug(
+            "step",
+            step_id=plan.step_id,
+            seqs=len(plan.num_scheduled_tokens),
+            tokens=sum(plan.num_scheduled_tokens),
+            new=len(plan.new),
+            schedule_ms=round(step.schedule_s * 1e3, 2),
+            roundtrip_ms=round(rt * 1e3, 2),
+            forward_ms=round(result.forward_s * 1e3, 2),
+            sample_ms=round(result.sample_s * 1e3, 2),
+            update_ms=round(step.update_s * 1e3, 2),
+        )
+        self.publish(
+            StepStats(
+                num_running=len(s.running),
+                num_waiting=len(s.waiting),
+                kv_cache_usage=s.blocks.usage(),
+                num_seqs=len(plan.num_scheduled_tokens),
+                num_tokens=sum(plan.num_scheduled_tokens),
+                prompt_tokens=d[0],
+                generation_tokens=d[1],
+                num_preemptions=d[2],
+                prefix_cache_queries=d[3],
+                prefix_cache_hits=d[4],
+                schedule_s=step.schedule_s,
+                roundtrip_s=rt,
+                forward_s=result.forward_s,
+                sample_s=result.sample_s,
+                update_s=step.update_s,
+                ttft_s=s.ttft,
+                itl_s=s.itl,
+                dropped=dropped,
+                send_s=step.send_s,
+                return_s=max(0.0, rt - step.send_s - result.forward_s - result.sample_s),
+                spec_drafts=d[5],
+                spec_draft_tokens=d[6],
+                spec_accepted_tokens=d[7],
+                spec_accepted_per_pos=per_pos if any(per_pos) else [],
+                num_forwards=plan.num_forwards,
+            )
+        )
         s.ttft, s.itl = [], []
         for ev in s.finished_stats:
             self.publish(ev)

@@ -36,10 +36,29 @@ T = TypeVar("T")
 
 # apply_chat_template's own arguments (and the names it passes to the template itself): a request's
 # chat_template_kwargs may not set these
-_RESERVED = frozenset({"messages", "conversation", "chat_template", "tools", "documents", "add_generation_prompt",
-                       "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-                       "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
-                       "processor_kwargs", "kwargs", "self"})
+_RESERVED = frozenset(
+    {
+        "messages",
+        "conversation",
+        "chat_template",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "sanitize_control_tokens",
+        "processor_kwargs",
+        "kwargs",
+        "self",
+    }
+)
 
 
 def _apply_chat_template_args() -> frozenset[str]:
@@ -53,8 +72,9 @@ class TemplateTimeout(jinja2.TemplateError):
     """The render passed its deadline or its output bound."""
 
 
-def request_template(chat_template: str | None, kwargs: dict[str, Any] | None,
-                     trust: bool) -> tuple[str | None, dict[str, Any]]:
+def request_template(
+    chat_template: str | None, kwargs: dict[str, Any] | None, trust: bool
+) -> tuple[str | None, dict[str, Any]]:
     """(template override, template variables) from a request's `chat_template` field and
     `chat_template_kwargs`; ParamError (HTTP 400) for a template without `trust` or a reserved key."""
     variables = dict(kwargs or {})
@@ -64,18 +84,24 @@ def request_template(chat_template: str | None, kwargs: dict[str, Any] | None,
         override, param = chat_template, "chat_template"
     if override is not None:
         if not trust:
-            raise ParamError(param, "a chat template in the request is refused: the server uses the model's "
-                                    "template (start it with --trust-request-chat-template to allow request templates)")
+            raise ParamError(
+                param,
+                "a chat template in the request is refused: the server uses the model's "
+                "template (start it with --trust-request-chat-template to allow request templates)",
+            )
         if not isinstance(override, str):
             raise ParamError(param, "chat_template must be a string")
     reserved = _RESERVED | _apply_chat_template_args()
     for key in variables:
         if not isinstance(key, str) or not key.isidentifier() or key.startswith("_"):
-            raise ParamError(f"chat_template_kwargs.{key}", "chat_template_kwargs keys must be identifiers "
-                                                            "not starting with '_'")
+            raise ParamError(
+                f"chat_template_kwargs.{key}", "chat_template_kwargs keys must be identifiers not starting with '_'"
+            )
         if key in reserved:
-            raise ParamError(f"chat_template_kwargs.{key}", f"chat_template_kwargs may only set template "
-                                                            f"variables; {key!r} is an apply_chat_template argument")
+            raise ParamError(
+                f"chat_template_kwargs.{key}",
+                f"chat_template_kwargs may only set template variables; {key!r} is an apply_chat_template argument",
+            )
     return override, variables
 
 
@@ -150,5 +176,8 @@ async def render_bounded(fn: Callable[[], T], timeout_s: float, max_chars: int) 
         return await asyncio.wait_for(asyncio.shield(fut), timeout_s + 0.5)
     except (TemplateTimeout, asyncio.TimeoutError, TimeoutError) as e:
         log.warning("chat_template.refused", reason=str(e) or "timeout", timeout_s=timeout_s)
-        raise ParamError("messages", f"rendering the chat template failed: {e or 'it took too long'} "
-                                     f"(limit {timeout_s:g} s, {max_chars} characters)") from None
+        raise ParamError(
+            "messages",
+            f"rendering the chat template failed: {e or 'it took too long'} "
+            f"(limit {timeout_s:g} s, {max_chars} characters)",
+        ) from None

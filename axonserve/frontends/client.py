@@ -171,8 +171,11 @@ class AsyncEngineClient:
         the engine starts (time of a cold start otherwise spent after the engine is ready;
         docs/benchmarks.md#fig-frontends)."""
         own_ctx = ctx is None
-        early = asyncio.ensure_future(asyncio.to_thread(Tokenizer.load, model_hint)) \
-            if tokenizer is None and model_hint else None
+        early = (
+            asyncio.ensure_future(asyncio.to_thread(Tokenizer.load, model_hint))
+            if tokenizer is None and model_hint
+            else None
+        )
         ctx = ctx or zmq.asyncio.Context()
         sock = bus_socket(ctx, zmq.DEALER)  # frames over the bus limit are refused
         sock.setsockopt(zmq.IDENTITY, b"c-" + uuid.uuid4().hex[:12].encode())
@@ -195,10 +198,15 @@ class AsyncEngineClient:
             if isinstance(e, asyncio.TimeoutError):
                 raise TimeoutError(f"no EngineInfo from {address} within {timeout:.0f}s") from None
             raise
-        log.info("engine_connected", address=address, model=info.served_model_name,
-                 max_model_len=info.max_model_len)
-        return cls(sock, info, tokenizer, ctx=ctx if own_ctx else None,
-                   ping_after_s=ping_after_s, ping_timeout_s=ping_timeout_s)
+        log.info("engine_connected", address=address, model=info.served_model_name, max_model_len=info.max_model_len)
+        return cls(
+            sock,
+            info,
+            tokenizer,
+            ctx=ctx if own_ctx else None,
+            ping_after_s=ping_after_s,
+            ping_timeout_s=ping_timeout_s,
+        )
 
     def close(self) -> None:
         """Abort what is in flight, end every generate(), release the socket."""
@@ -233,8 +241,9 @@ class AsyncEngineClient:
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         return self.generate_batch([prompt_ids], params, request_id or uuid.uuid4().hex, images)[0]
 
-    def generate_batch(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                       images: PromptImages | None = None) -> list[AsyncGenerator[StreamOutput, None]]:
+    def generate_batch(
+        self, prompts: list[list[int]], params: SamplingParams, request_id: str, images: PromptImages | None = None
+    ) -> list[AsyncGenerator[StreamOutput, None]]:
         """Several prompts with the same parameters (a completions request's batch): every prompt is
         validated before any starts (prompts x n within the engine's fan-out bound), then one
         generation each, `request_id` (`<request_id>-p<j>` with several prompts). `images`: one prompt's."""
@@ -242,9 +251,11 @@ class AsyncEngineClient:
             raise EngineDeadError(self.dead_reason or "engine is dead")
         fanout = self.info.limits.max_fanout
         if len(prompts) * params.n > fanout:
-            raise ParamError("n" if len(prompts) == 1 else "prompt",
-                             f"a request may start at most {fanout} generations (prompts x n); "
-                             f"this one asks for {len(prompts)} x {params.n}")
+            raise ParamError(
+                "n" if len(prompts) == 1 else "prompt",
+                f"a request may start at most {fanout} generations (prompts x n); "
+                f"this one asks for {len(prompts)} x {params.n}",
+            )
         subs = [self._fan_out(ids, params) for ids in prompts]
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-p{j}" for j in range(len(prompts))]
         for rid in ids:
@@ -296,8 +307,11 @@ class AsyncEngineClient:
         """ParamError (HTTP 400) unless the served model serves `task` (generate | embed)."""
         if self.info.task != task:
             kind = "an embedding" if self.info.task == "embed" else "a generative"
-            raise ParamError("model", f"The model `{self.info.served_model_name}` is {kind} model "
-                                      f"(task {self.info.task}): it does not support the {api}")
+            raise ParamError(
+                "model",
+                f"The model `{self.info.served_model_name}` is {kind} model "
+                f"(task {self.info.task}): it does not support the {api}",
+            )
 
     def validate_embed(self, prompt_ids: list[int]) -> None:
         """Check an embedding input: the task, the vocabulary, the model's positions."""
@@ -311,8 +325,9 @@ class AsyncEngineClient:
                 "tokens in the input for embedding generation. Please reduce the length of the input.",
             )
 
-    async def embed(self, prompt: str | list[int], *, request_id: str | None = None,
-                    pooling: PoolingParams | None = None) -> EmbeddingOutput:
+    async def embed(
+        self, prompt: str | list[int], *, request_id: str | None = None, pooling: PoolingParams | None = None
+    ) -> EmbeddingOutput:
         """The pooled vector of one prompt (embed task). ParamError / EngineDeadError before
         anything is sent; RequestError when the engine rejects or fails it. Cancelling the
         call aborts the request on the engine."""
@@ -326,8 +341,15 @@ class AsyncEngineClient:
         req = _Request()
         self._requests[request_id] = self._routes[engine_id] = req
         try:
-            await self._send(AddRequest(engine_id, prompt_ids, SamplingParams(max_tokens=1),
-                                        arrival_time=time.time(), pooling=pooling or PoolingParams()))
+            await self._send(
+                AddRequest(
+                    engine_id,
+                    prompt_ids,
+                    SamplingParams(max_tokens=1),
+                    arrival_time=time.time(),
+                    pooling=pooling or PoolingParams(),
+                )
+            )
             delta = await req.queue.get()
             vec = req.vectors.pop(engine_id, None)
             if delta.finish_reason == "error" and self.dead:
@@ -346,10 +368,7 @@ class AsyncEngineClient:
         if params.n == 1:
             return [one]
         seed = one.seed
-        return [
-            msgspec.structs.replace(one, seed=None if seed is None else seed + i)
-            for i in range(params.n)
-        ]
+        return [msgspec.structs.replace(one, seed=None if seed is None else seed + i) for i in range(params.n)]
 
     async def get_stats(self, timeout: float = 10.0) -> EngineStats:
         """The scheduler's counters and gauges (prefix-cache hits, preemptions, queue sizes)."""
@@ -411,8 +430,11 @@ class AsyncEngineClient:
         req = _Request()
         for i, (cid, p) in enumerate(zip(_engine_ids(request_id, len(subs)), subs)):
             detok = IncrementalDetokenizer(
-                self.tokenizer, prompt_ids, skip_special_tokens=p.skip_special_tokens,
-                stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output,
+                self.tokenizer,
+                prompt_ids,
+                skip_special_tokens=p.skip_special_tokens,
+                stop=p.stop,
+                include_stop_str_in_output=p.include_stop_str_in_output,
                 min_tokens=p.min_tokens,
             )
             req.choices[cid] = _Choice(cid, i, detok)
@@ -447,12 +469,11 @@ class AsyncEngineClient:
                 self._send_nowait(AbortRequest(left))
                 log.debug("request_aborted", request_id=request_id, engine_ids=left)
 
-    def _process(
-        self, request_id: str, choice: _Choice, delta: RequestDelta, num_prompt: int
-    ) -> StreamOutput:
+    def _process(self, request_id: str, choice: _Choice, delta: RequestDelta, num_prompt: int) -> StreamOutput:
         engine_stop = delta.finish_reason == "stop"
         d = choice.detok.step(
-            delta.new_token_ids, finished=delta.finish_reason is not None,
+            delta.new_token_ids,
+            finished=delta.finish_reason is not None,
             stop_terminated=engine_stop,
         )
         token_ids = delta.new_token_ids[: d.num_tokens]
@@ -462,13 +483,20 @@ class AsyncEngineClient:
         else:
             finish, stop_reason = delta.finish_reason, delta.stop_reason
         return StreamOutput(
-            request_id=request_id, index=choice.index, text=d.text,
-            output_text=choice.detok.text, token_ids=token_ids, logprobs=logprobs,
-            finish_reason=finish, stop_reason=stop_reason,
+            request_id=request_id,
+            index=choice.index,
+            text=d.text,
+            output_text=choice.detok.text,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=finish,
+            stop_reason=stop_reason,
             num_prompt_tokens=delta.num_prompt_tokens or num_prompt,
             num_output_tokens=choice.detok.num_output_tokens,
-            num_cached_tokens=delta.num_cached_tokens, error=delta.error,
-            error_code=delta.error_code, prompt_logprobs=delta.prompt_logprobs,
+            num_cached_tokens=delta.num_cached_tokens,
+            error=delta.error,
+            error_code=delta.error_code,
+            prompt_logprobs=delta.prompt_logprobs,
         )
 
     # ------------------------------------------------------------------ socket

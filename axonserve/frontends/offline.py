@@ -162,8 +162,9 @@ class LLM:
         async def one(i: int, prompt: Any, ids: list[int]) -> EmbeddingRequestOutput:
             out = await self._client.embed(ids, request_id=f"offline-embed-{next(self._request_ids)}", pooling=pooling)
             bar.update(1)
-            return EmbeddingRequestOutput(str(i), prompt if isinstance(prompt, str) else None, ids,
-                                          EmbeddingOutput(out.embedding.tolist()))
+            return EmbeddingRequestOutput(
+                str(i), prompt if isinstance(prompt, str) else None, ids, EmbeddingOutput(out.embedding.tolist())
+            )
 
         return list(await asyncio.gather(*(one(i, p, ids) for i, (p, ids) in enumerate(zip(prompts, all_ids)))))
 

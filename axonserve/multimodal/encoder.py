@@ -68,7 +68,8 @@ class EncoderActor(Actor):
                 reply = ImagesEncoded(job.request_id, error=f"{type(e).__name__}: {e}", error_code=500)
                 await self.sock.send_multipart(Codec.encode(reply), copy=False)
                 continue
-            self.log.debug("encoded", request_id=job.request_id, images=len(job.hashes),
-                           seconds=round(time.perf_counter() - t0, 4))
+            self.log.debug(
+                "encoded", request_id=job.request_id, images=len(job.hashes), seconds=round(time.perf_counter() - t0, 4)
+            )
             reply = ImagesEncoded(job.request_id, embeddings=tensor_ref(1, feats))
             await self.sock.send_multipart(Codec.encode(reply, [feats]), copy=False)

@@ -68,8 +68,15 @@ class PromptImages:
 class ImageInputs:
     """The served model's image handling; `load` returns None for a text-only model."""
 
-    def __init__(self, model_dir: str, processor: Any, image_token: str, image_token_id: int, tokens_per_image: int,
-                 config: EngineConfig):
+    def __init__(
+        self,
+        model_dir: str,
+        processor: Any,
+        image_token: str,
+        image_token_id: int,
+        tokens_per_image: int,
+        config: EngineConfig,
+    ):
         self.model_dir, self.processor = model_dir, processor
         self.image_token, self.image_token_id, self.tokens_per_image = image_token, image_token_id, tokens_per_image
         self.config = config
@@ -100,8 +107,11 @@ class ImageInputs:
             raise ParamError("messages", f"at most {cfg.max_images_per_request} images per request, got {len(urls)}")
         found = sum(1 for t in ids if t == self.image_token_id)
         if found != len(urls):
-            raise ParamError("messages", f"the prompt has {found} image tokens ({self.image_token}) for {len(urls)} "
-                                         "images; do not write the image token in text")
+            raise ParamError(
+                "messages",
+                f"the prompt has {found} image tokens ({self.image_token}) for {len(urls)} "
+                "images; do not write the image token in text",
+            )
         budget = DecodeBudget(cfg.max_image_decoded_bytes_per_request)
         deadline = time.monotonic() + cfg.image_fetch_timeout_s  # all of this request's URL fetches
         images = [load_image(u, cfg, budget, deadline) for u in urls]
@@ -141,8 +151,12 @@ def take_images(messages: list[dict[str, Any]], image_token: str) -> tuple[list[
 
 
 def has_images(messages: list[dict[str, Any]]) -> bool:
-    return any(isinstance(p, dict) and p.get("type") in ("image_url", "image")
-               for m in messages if isinstance(m.get("content"), list) for p in m["content"])
+    return any(
+        isinstance(p, dict) and p.get("type") in ("image_url", "image")
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for p in m["content"]
+    )
 
 
 # --------------------------------------------------------------------------- loading
@@ -158,8 +172,11 @@ class DecodeBudget:
     def spend(self, nbytes: int) -> None:
         if self.used + nbytes > self.limit:
             log.warning("image_refused", reason="decoded_budget", used=self.used, need=nbytes, limit=self.limit)
-            raise ParamError("messages", f"the request's images decode to more than {self.limit} bytes "
-                                         "(--max-image-decoded-bytes-per-request): send fewer or smaller images")
+            raise ParamError(
+                "messages",
+                f"the request's images decode to more than {self.limit} bytes "
+                "(--max-image-decoded-bytes-per-request): send fewer or smaller images",
+            )
         self.used += nbytes
 
 
@@ -186,8 +203,10 @@ def load_image(url: str, cfg: EngineConfig, budget: DecodeBudget | None = None, 
                 raise ParamError("messages", "image has no pixels")
             if w * h > cfg.max_image_pixels:
                 log.warning("image_refused", reason="pixels", width=w, height=h, limit=cfg.max_image_pixels)
-                raise ParamError("messages", f"image is {w}x{h} pixels; at most {cfg.max_image_pixels} pixels allowed "
-                                             "(--max-image-pixels)")
+                raise ParamError(
+                    "messages",
+                    f"image is {w}x{h} pixels; at most {cfg.max_image_pixels} pixels allowed (--max-image-pixels)",
+                )
             if budget is not None:
                 budget.spend(decoded_bytes(img))
             img.load()  # the current (first) frame only: other frames of an animation are never decoded
@@ -198,8 +217,9 @@ def load_image(url: str, cfg: EngineConfig, budget: DecodeBudget | None = None, 
         log.warning("image_refused", reason="decompression_bomb")
         raise ParamError("messages", "image has too many pixels (--max-image-pixels)") from None
     except Exception as e:  # noqa: BLE001 - untrusted bytes: whatever the decoder raises is a bad image
-        raise ParamError("messages", f"cannot decode the image (supported formats: {', '.join(FORMATS)}): "
-                                     f"{type(e).__name__}") from None
+        raise ParamError(
+            "messages", f"cannot decode the image (supported formats: {', '.join(FORMATS)}): {type(e).__name__}"
+        ) from None
 
 
 def _image_bytes(url: str, cfg: EngineConfig, deadline: float | None = None) -> bytes:
@@ -253,8 +273,9 @@ def is_public_address(addr: str) -> bool:
             return False
         if ip.is_site_local:
             return False
-    return ip.is_global and not (ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast
-                                 or ip.is_reserved or ip.is_unspecified)
+    return ip.is_global and not (
+        ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_reserved or ip.is_unspecified
+    )
 
 
 def _remaining(deadline: float) -> float:
@@ -279,8 +300,10 @@ def _resolve(host: str, port: int, deadline: float, allow_private: bool) -> str:
         if allow_private or is_public_address(addr):
             return addr
     log.warning("image_refused", reason="private_address", host=host, addresses=addrs)
-    raise _FetchFailed("the host resolves to a private, loopback or link-local address, which this server "
-                       "does not fetch from (--allow-private-image-urls)")
+    raise _FetchFailed(
+        "the host resolves to a private, loopback or link-local address, which this server "
+        "does not fetch from (--allow-private-image-urls)"
+    )
 
 
 class _Watchdog:
@@ -330,8 +353,11 @@ def _fetch(url: str, cfg: EngineConfig, deadline: float | None = None) -> bytes:
         raise ParamError("messages", "image URL has no host")
     allowed = cfg.allowed_media_domains
     if not allowed:
-        raise ParamError("messages", "image URLs are not fetched by this server: send the image as a data: URL, "
-                                     "or start the server with --allowed-media-domains HOST")
+        raise ParamError(
+            "messages",
+            "image URLs are not fetched by this server: send the image as a data: URL, "
+            "or start the server with --allowed-media-domains HOST",
+        )
     if "*" not in allowed and host not in allowed:
         raise ParamError("messages", f"image host {host!r} is not in --allowed-media-domains")
     if deadline is None:
@@ -362,8 +388,9 @@ def _get(parts: urllib.parse.SplitResult, host: str, port: int, addr: str, limit
     r = None
     try:
         if parts.scheme == "https":  # SNI and the certificate check use `host`, the URL's
-            conn = http.client.HTTPSConnection(host, port, timeout=_remaining(deadline),
-                                               context=ssl.create_default_context())
+            conn = http.client.HTTPSConnection(
+                host, port, timeout=_remaining(deadline), context=ssl.create_default_context()
+            )
         else:
             conn = http.client.HTTPConnection(host, port, timeout=_remaining(deadline))
         conn._create_connection = connect_checked  # type: ignore[attr-defined] # the checked address, no 2nd lookup
@@ -400,9 +427,17 @@ def _get(parts: urllib.parse.SplitResult, host: str, port: int, addr: str, limit
         raise
     except Exception as e:  # noqa: BLE001 - sockets, TLS, HTTP parsing: a generic reason, no details echoed
         timed_out = watchdog.fired or isinstance(e, TimeoutError)
-        reason = "timed out" if timed_out else "TLS failed" if isinstance(e, ssl.SSLError) else \
-            "invalid URL" if isinstance(e, http.client.InvalidURL) else \
-            "bad HTTP response" if isinstance(e, http.client.HTTPException) else "connection failed"
+        reason = (
+            "timed out"
+            if timed_out
+            else "TLS failed"
+            if isinstance(e, ssl.SSLError)
+            else "invalid URL"
+            if isinstance(e, http.client.InvalidURL)
+            else "bad HTTP response"
+            if isinstance(e, http.client.HTTPException)
+            else "connection failed"
+        )
         log.warning("image_fetch_failed", host=host, reason=reason, error=repr(e))
         raise _FetchFailed(reason) from None
     finally:

@@ -137,7 +137,7 @@ class EncoderRouter(Actor):
             pending.waiting.add(h)
             if h not in encoding:
                 misses.append(h)
-                rows.append(bytes(buf[i * row:(i + 1) * row]))
+                rows.append(bytes(buf[i * row : (i + 1) * row]))
         pending.num_cached = n - len(misses)
         self._stats.cache_hits += pending.num_cached
         self.pending[msg.request_id] = pending
@@ -230,14 +230,15 @@ class EncoderRouter(Actor):
         buf = ref_frame(ref, frames) if ref is not None else (msg.error or "no features")
         if isinstance(buf, str) or ref is None or len(ref.shape) != 3 or ref.shape[0] != len(job.misses):
             why = buf if isinstance(buf, str) else "bad feature shape"
-            await self._job_done(job, None, f"encoder {ident.decode(errors='replace')} failed: {why}",
-                                 msg.error_code or 500)
+            await self._job_done(
+                job, None, f"encoder {ident.decode(errors='replace')} failed: {why}", msg.error_code or 500
+            )
             return
         data = bytes(frame_bytes(buf))
         row = len(data) // len(job.misses)
         features = {}
         for i, h in enumerate(job.misses):
-            features[h] = (data[i * row:(i + 1) * row], list(ref.shape[1:]), ref.dtype)
+            features[h] = (data[i * row : (i + 1) * row], list(ref.shape[1:]), ref.dtype)
             self.cache.put(h, features[h])
         await self._job_done(job, features)
 

@@ -28,12 +28,14 @@ class ImageSpec:
     def from_info(cls, info: dict[str, Any]) -> "ImageSpec | None":
         if "image_token_id" not in info:
             return None
-        return cls(int(info["image_token_id"]), int(info["image_tokens"]), int(info["image_size"]),
-                   int(info["hidden_size"]))
+        return cls(
+            int(info["image_token_id"]), int(info["image_tokens"]), int(info["image_size"]), int(info["hidden_size"])
+        )
 
 
-def check_images(mm: MultiModalInput, prompt: list[int], frames: list[Any],
-                 spec: ImageSpec | None) -> tuple[str | None, dict[str, memoryview]]:
+def check_images(
+    mm: MultiModalInput, prompt: list[int], frames: list[Any], spec: ImageSpec | None
+) -> tuple[str | None, dict[str, memoryview]]:
     """(why the images are unusable or None, their frames by MultiModalInput field)."""
     if spec is None:
         return "this model does not accept images (it is not a vision-language model)", {}
@@ -44,7 +46,7 @@ def check_images(mm: MultiModalInput, prompt: list[int], frames: list[Any],
     for o, k in zip(mm.offsets, mm.lengths):
         if k != spec.tokens_per_image:
             return f"each image takes {spec.tokens_per_image} placeholder tokens, not {k}", {}
-        if o < end or o + k > len(prompt) or any(t != spec.image_token_id for t in prompt[o:o + k]):
+        if o < end or o + k > len(prompt) or any(t != spec.image_token_id for t in prompt[o : o + k]):
             return "image placeholder runs must be image tokens inside the prompt, in order, not overlapping", {}
         end = o + k
     if (mm.pixel_values is None) == (mm.embeddings is None):

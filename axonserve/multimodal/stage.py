@@ -37,8 +37,9 @@ class EncoderStage:
         self.encoding[req.request_id] = req
         pixels = req.mm_frames.pop("pixel_values")
         ref = TensorRef(1, req.mm.pixel_values.dtype, req.mm.pixel_values.shape)
-        await self.sock.send_multipart(Codec.encode(EncodeImages(req.request_id, req.mm.hashes, ref), [pixels]),
-                                       copy=False)
+        await self.sock.send_multipart(
+            Codec.encode(EncodeImages(req.request_id, req.mm.hashes, ref), [pixels]), copy=False
+        )
 
     def abort(self, request_ids: list[str]) -> list[Request]:
         return [r for rid in request_ids if (r := self.encoding.pop(rid, None)) is not None]
@@ -57,9 +58,16 @@ class EncoderStage:
             self.cache_hits += msg.num_cached
             buf = ref_frame(msg.embeddings, frames) if msg.embeddings is not None else msg.error or "no features"
             if isinstance(buf, str):
-                await self.core.emit([RequestDelta(req.request_id, finish_reason="error",
-                                                   error=f"image encoding failed: {buf}",
-                                                   error_code=msg.error_code or 500)])
+                await self.core.emit(
+                    [
+                        RequestDelta(
+                            req.request_id,
+                            finish_reason="error",
+                            error=f"image encoding failed: {buf}",
+                            error_code=msg.error_code or 500,
+                        )
+                    ]
+                )
                 continue
             assert req.mm is not None and msg.embeddings is not None
             req.mm = msgspec.structs.replace(req.mm, pixel_values=None, embeddings=msg.embeddings)

@@ -26,8 +26,11 @@ class RequestImages:
 
 
 def placeholder_positions(mm: MultiModalInput) -> torch.Tensor:
-    return torch.cat([torch.arange(o, o + n) for o, n in zip(mm.offsets, mm.lengths)]) if mm.offsets \
+    return (
+        torch.cat([torch.arange(o, o + n) for o, n in zip(mm.offsets, mm.lengths)])
+        if mm.offsets
         else torch.empty(0, dtype=torch.long)
+    )
 
 
 class ImageEncoderCache:

@@ -97,7 +97,11 @@ def build_config(reader: Any) -> dict[str, Any]:
         # checkpoint (its converted tensors are float32 only because dequantization writes them so)
         "torch_dtype": "float32" if all(_is_f32(t) for t in reader.tensors) else "bfloat16",
     }
-    for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id")):
+    for key, name in (
+        ("bos_token_id", "bos_token_id"),
+        ("eos_token_id", "eos_token_id"),
+        ("pad_token_id", "padding_token_id"),
+    ):
         v = _field(reader, f"tokenizer.ggml.{name}")
         if v is not None:
             cfg[key] = int(v)

@@ -81,7 +81,7 @@ def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     out, offset = [], start
     for t, n in zip(tensors, sizes):
         nbytes = t.numel() * t.element_size()
-        dst = raw[offset:offset + nbytes].view(t.dtype).view(t.shape)
+        dst = raw[offset : offset + nbytes].view(t.dtype).view(t.shape)
         dst.copy_(t)
         out.append(dst)
         offset += n

@@ -20,8 +20,9 @@ from axonserve.protocol.messages import KVBlocks
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def export_kv(caches: KVCaches, block_ids: list[int], block_size: int, num_tokens: int, request_id: str,
-              frames: list[Any]) -> KVBlocks:
+def export_kv(
+    caches: KVCaches, block_ids: list[int], block_size: int, num_tokens: int, request_id: str, frames: list[Any]
+) -> KVBlocks:
     """The first `num_tokens` positions' K/V, appended to `frames` block by block."""
     refs = []
     for bid in block_ids[: -(-num_tokens // block_size)]:

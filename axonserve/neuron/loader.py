@@ -38,8 +38,9 @@ def iter_weights(path: str, progress: bool = True) -> Iterator[tuple[str, torch.
                 bar.update(1)
 
 
-def load_model(cfg: ModelConfig, dtype: torch.dtype, progress: bool = True, quantization: str = "",
-               pack: bool = True) -> nn.Module:
+def load_model(
+    cfg: ModelConfig, dtype: torch.dtype, progress: bool = True, quantization: str = "", pack: bool = True
+) -> nn.Module:
     """quantization: "" (weights as loaded), or a weight-only method of layers/quant.py;
     pack: bf16 linear weights go into oneDNN's layout once (layers/quant.py PackedWeight)."""
     t0 = time.perf_counter()
@@ -53,5 +54,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, progress: bool = True, quan
     elif pack and can_pack(dtype):
         quantize_model(model, "packed", dtype)
     n = sum(p.numel() for p in model.parameters() if p is not None)
-    log.info("model.loaded", arch=cfg.architecture, params=n, dtype=str(dtype), seconds=round(time.perf_counter() - t0, 2))
+    log.info(
+        "model.loaded", arch=cfg.architecture, params=n, dtype=str(dtype), seconds=round(time.perf_counter() - t0, 2)
+    )
     return model

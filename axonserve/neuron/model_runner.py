@@ -14,8 +14,8 @@ import time
 import traceback
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import structlog
@@ -25,9 +25,9 @@ from axonserve.config import EngineConfig
 from axonserve.engine.buckets import BucketConfig
 from axonserve.multimodal.worker import ImageEncoderCache, RequestImages, batch_rows
 from axonserve.neuron.config import ModelConfig
+from axonserve.neuron.kv_transfer import export_kv, import_kv
 from axonserve.neuron.loader import load_model
 from axonserve.neuron.models.bert import EncoderBatch
-from axonserve.neuron.kv_transfer import export_kv, import_kv
 from axonserve.neuron.ops import native
 from axonserve.neuron.ops.attention import AttentionMetadata, DecodeRun, build_static, move_slots
 from axonserve.neuron.parallel import (
@@ -93,8 +93,13 @@ class ModelRunner:
         cores = len(os.sched_getaffinity(0))
         torch.set_num_threads(config.threads or max(1, cores // config.num_workers))
         torch.manual_seed(config.seed)
-        init_tensor_parallel(rank, config.num_workers, dist_init, expert_parallel=config.enable_expert_parallel,
-                             timeout_s=config.dist_timeout_s)
+        init_tensor_parallel(
+            rank,
+            config.num_workers,
+            dist_init,
+            expert_parallel=config.enable_expert_parallel,
+            timeout_s=config.dist_timeout_s,
+        )
         mc = ModelConfig.from_dir(config.model)
         self.max_model_len = mc.max_model_len_for(config.max_model_len)
         self.task = config.task  # (resolved by EngineConfig)
@@ -125,10 +130,16 @@ class ModelRunner:
         # is the interpreter and oneDNN.
         # The thread runs in a copy of this context: its log lines keep the actor's bound fields.
         with ThreadPoolExecutor(1, thread_name_prefix="kv-alloc") as pool:
-            kv = pool.submit(contextvars.copy_context().run, self._allocate_kv_cache,
-                             self.num_kv_blocks + (self.buckets is not None)) if not embed else None
-            self.model = load_model(self.model_config, self.dtype, progress=rank == 0,
-                                    quantization=config.quantization)
+            kv = (
+                pool.submit(
+                    contextvars.copy_context().run,
+                    self._allocate_kv_cache,
+                    self.num_kv_blocks + (self.buckets is not None),
+                )
+                if not embed
+                else None
+            )
+            self.model = load_model(self.model_config, self.dtype, progress=rank == 0, quantization=config.quantization)
             self.kv_caches = kv.result() if kv is not None else []
         self.result_tensors: list[torch.Tensor] = []  # extra frames the last StepResult's TensorRefs name
         self.sampler = Sampler(self.eos_token_ids, config.seed)
@@ -136,8 +147,11 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.snapshots = StepSnapshots.from_config(self.model, config.snapshot, rank)  # --snapshot capture
         # vision-language models: images of requests whose plan brings pixels are encoded here
-        self.images = ImageEncoderCache(self.model, self.dtype, config.encoder_cache_mb * 2**20) \
-            if getattr(self.model, "is_multimodal", False) else None
+        self.images = (
+            ImageEncoderCache(self.model, self.dtype, config.encoder_cache_mb * 2**20)
+            if getattr(self.model, "is_multimodal", False)
+            else None
+        )
         if self.images is not None and self.buckets is not None:
             raise ValueError("bucketing mode is not supported for multimodal models")
         self._frames: Sequence[Any] = ()  # the current plan's extra frames (multimodal inputs)
@@ -147,8 +161,9 @@ class ModelRunner:
             from axonserve.speculative.eagle import EagleProposer
 
             # bf16: packed, as the target; its head KV is paged by the target's block ids
-            self.eagle = EagleProposer.from_config(config, self.dtype, num_blocks=self.num_kv_blocks,
-                                                   max_position=self.max_model_len)
+            self.eagle = EagleProposer.from_config(
+                config, self.dtype, num_blocks=self.num_kv_blocks, max_position=self.max_model_len
+            )
         log.info(
             "runner.ready",
             rank=rank,
@@ -165,14 +180,19 @@ class ModelRunner:
         if self.images is None:
             return {}
         m = self.model
-        return {"image_token_id": m.image_token_id, "image_tokens": m.tokens_per_image,
-                "image_size": m.vision_tower.image_size, "hidden_size": self.model_config.hidden_size}
+        return {
+            "image_token_id": m.image_token_id,
+            "image_tokens": m.tokens_per_image,
+            "image_size": m.vision_tower.image_size,
+            "hidden_size": self.model_config.hidden_size,
+        }
 
     # ------------------------------------------------------------------ KV cache
 
     def _block_bytes(self) -> int:
-        return self.block_size * self.model_config.kv_bytes_per_token(self.config.dtype, TPInfo.size,
-                                                                      self.config.kv_cache_dtype)
+        return self.block_size * self.model_config.kv_bytes_per_token(
+            self.config.dtype, TPInfo.size, self.config.kv_cache_dtype
+        )
 
     def _auto_num_blocks(self) -> int:
         budget = self.config.kv_cache_memory_fraction * mem_available_bytes()
@@ -187,12 +207,25 @@ class ModelRunner:
         mc = self.model_config
         kv_heads = max(1, mc.num_kv_heads // TPInfo.size)
         shape = (num_blocks, self.block_size, kv_heads, mc.head_dim)
-        log.info("kv_cache.allocate", blocks=num_blocks, mib=round(num_blocks * self._block_bytes() / 2**20, 1),
-                 dtype=self.config.kv_cache_dtype)
+        log.info(
+            "kv_cache.allocate",
+            blocks=num_blocks,
+            mib=round(num_blocks * self._block_bytes() / 2**20, 1),
+            dtype=self.config.kv_cache_dtype,
+        )
         if self.config.kv_cache_dtype == "int8":
-            return [(torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8),
-                     torch.zeros(shape[:3]), torch.zeros(shape[:3])) for _ in range(mc.num_layers)]
-        return [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)) for _ in range(mc.num_layers)]
+            return [
+                (
+                    torch.zeros(shape, dtype=torch.int8),
+                    torch.zeros(shape, dtype=torch.int8),
+                    torch.zeros(shape[:3]),
+                    torch.zeros(shape[:3]),
+                )
+                for _ in range(mc.num_layers)
+            ]
+        return [
+            (torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)) for _ in range(mc.num_layers)
+        ]
 
     # ------------------------------------------------------------------ warm-up
 
@@ -216,8 +249,17 @@ class ModelRunner:
             return 0.0
         t0 = time.perf_counter()
         greedy = SamplingParams(temperature=0.0)
-        new = [NewRequestData(f"warmup-{i}", [(i * 7919 + j) % self.vocab_size for j in range(seq)], seq,
-                              list(range(i * per_seq, (i + 1) * per_seq)), 0, greedy) for i in range(count)]
+        new = [
+            NewRequestData(
+                f"warmup-{i}",
+                [(i * 7919 + j) % self.vocab_size for j in range(seq)],
+                seq,
+                list(range(i * per_seq, (i + 1) * per_seq)),
+                0,
+                greedy,
+            )
+            for i in range(count)
+        ]
         snapshots, self.snapshots = self.snapshots, None  # not a step anyone asked for
         try:
             result = self.execute(StepPlan(-1, new=new, num_scheduled_tokens=[seq] * count))
@@ -225,8 +267,14 @@ class ModelRunner:
         finally:
             self.snapshots = snapshots
         seconds = time.perf_counter() - t0
-        log.info("runner.warm_up", rank=self.rank, seqs=count, tokens=count * seq, seconds=round(seconds, 2),
-                 error=result.error)
+        log.info(
+            "runner.warm_up",
+            rank=self.rank,
+            seqs=count,
+            tokens=count * seq,
+            seconds=round(seconds, 2),
+            error=result.error,
+        )
         return seconds
 
     # ------------------------------------------------------------------ step
@@ -242,8 +290,13 @@ class ModelRunner:
         except CollectiveError:  # the tensor-parallel group is broken: this rank cannot go on
             raise
         except Exception as e:  # a bad step must not take the worker down
-            log.error("runner.step_failed", step_id=plan.step_id, error=repr(e), tb=traceback.format_exc(),
-                      request_ids=[r.request_id for r in plan.new] + [r.request_id for r in plan.cached])
+            log.error(
+                "runner.step_failed",
+                step_id=plan.step_id,
+                error=repr(e),
+                tb=traceback.format_exc(),
+                request_ids=[r.request_id for r in plan.new] + [r.request_id for r in plan.cached],
+            )
             return StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}")
         result.forward_s = time.perf_counter() - t0 - result.sample_s
         return result
@@ -296,10 +349,13 @@ class ModelRunner:
             if plan.multi_step:  # its last n - 1 tokens are its own samples, known once they are made
                 k = n - 1
             if c + n > len(st.token_ids) + k or (k and c + n - k != len(st.token_ids)):
-                raise ValueError(f"request {st.request_id}: {c}+{n} tokens scheduled ({k} drafts) "
-                                 f"but {len(st.token_ids)} known")
+                raise ValueError(
+                    f"request {st.request_id}: {c}+{n} tokens scheduled ({k} drafts) but {len(st.token_ids)} known"
+                )
             if c + n > self.max_model_len:
-                raise ValueError(f"request {st.request_id}: position {c + n} exceeds max_model_len {self.max_model_len}")
+                raise ValueError(
+                    f"request {st.request_id}: position {c + n} exceeds max_model_len {self.max_model_len}"
+                )
             work.append((st, n))
         if not work:
             return StepResult(step_id=plan.step_id)
@@ -314,8 +370,11 @@ class ModelRunner:
         # flat batch: decodes (1 token) first, then verifications (1 + k tokens) by length (equal
         # ones share one attention call), then prefill chunks; plan order kept within each group
         verifying = sorted((w for w in work if w[0].request_id in drafts), key=lambda w: w[1])
-        flat = ([w for w in work if w[1] == 1] + verifying
-                + [w for w in work if w[1] != 1 and w[0].request_id not in drafts])
+        flat = (
+            [w for w in work if w[1] == 1]
+            + verifying
+            + [w for w in work if w[1] != 1 and w[0].request_id not in drafts]
+        )
         input_ids: list[int] = []
         last_tok: dict[str, int] = {}
         for st, n in flat:
@@ -323,22 +382,31 @@ class ModelRunner:
             d = drafts.get(st.request_id)
             input_ids.extend(st.token_ids[c : c + n] if d is None else [st.token_ids[c], *d])
             last_tok[st.request_id] = len(input_ids) - 1
-        trees = {i: plan.draft_parents[st.request_id] for i, (st, _) in enumerate(flat)
-                 if st.request_id in plan.draft_parents}
+        trees = {
+            i: plan.draft_parents[st.request_id]
+            for i, (st, _) in enumerate(flat)
+            if st.request_id in plan.draft_parents
+        }
         meta = AttentionMetadata.build(
-            [n for _, n in flat], [st.num_computed_tokens for st, _ in flat], [st.block_ids for st, _ in flat],
-            self.block_size, native=self.native, trees=trees,
+            [n for _, n in flat],
+            [st.num_computed_tokens for st, _ in flat],
+            [st.block_ids for st, _ in flat],
+            self.block_size,
+            native=self.native,
+            trees=trees,
         )
         if self.snapshots is not None:
             self.snapshots.begin(plan.step_id, contiguous_rows(flat), torch.tensor(input_ids), meta.positions)
         mm = {}
         if self.images is not None:  # image features replace their placeholder rows
-            merged = batch_rows([(st.images, st.num_computed_tokens, n, last_tok[st.request_id] - n + 1)
-                                 for st, n in flat])
+            merged = batch_rows(
+                [(st.images, st.num_computed_tokens, n, last_tok[st.request_id] - n + 1) for st, n in flat]
+            )
             if merged is not None:
                 mm = {"mm_rows": merged[0], "mm_embeds": merged[1]}
-        hidden = self.model(torch.from_numpy(np.asarray(input_ids, dtype=np.int64)), meta.positions, self.kv_caches,
-                            meta, **mm)
+        hidden = self.model(
+            torch.from_numpy(np.asarray(input_ids, dtype=np.int64)), meta.positions, self.kv_caches, meta, **mm
+        )
         prompt_lps = self._prompt_logprobs([(st, n, last_tok[st.request_id]) for st, n in work], hidden)
         starts = {st.request_id: st.num_computed_tokens for st, _ in work}
         for st, n in work:
@@ -352,11 +420,16 @@ class ModelRunner:
             rows.extend(range(last - len(drafts[st.request_id]), last + 1))
         logits = self.model.compute_logits(hidden[torch.tensor(rows)]) if rows else None
         first = [st for st in samplers if st.kv_export and len(st.token_ids) == st.num_prompt_tokens]
-        kv = [export_kv(self.kv_caches, st.block_ids, self.block_size, st.num_prompt_tokens, st.request_id,
-                        self.result_tensors) for st in first]  # P/D prefill: the prompt KV leaves
+        kv = [
+            export_kv(
+                self.kv_caches, st.block_ids, self.block_size, st.num_prompt_tokens, st.request_id, self.result_tensors
+            )
+            for st in first
+        ]  # P/D prefill: the prompt KV leaves
         paths: dict[str, list[int]] = {}
-        result = self._sample(plan, samplers, logits, verify=verify, paths=paths, prompt_logprobs=prompt_lps,
-                              kv_exports=kv)
+        result = self._sample(
+            plan, samplers, logits, verify=verify, paths=paths, prompt_logprobs=prompt_lps, kv_exports=kv
+        )
         if plan.want_features and self.eagle is not None:
             self._draft(plan, result, work, starts, last_tok, hidden, paths)
         return result
@@ -371,8 +444,13 @@ class ModelRunner:
                 raise ValueError(f"request {st.request_id}: logprobs and structured outputs need one token per step")
         work = sorted(work, key=lambda w: -w[1])
         sts = [st for st, _ in work]
-        run = DecodeRun([st.num_computed_tokens for st in sts], [st.block_ids for st in sts], [n for _, n in work],
-                        self.block_size, self.native)
+        run = DecodeRun(
+            [st.num_computed_tokens for st in sts],
+            [st.block_ids for st in sts],
+            [n for _, n in work],
+            self.block_size,
+            self.native,
+        )
         greedy = self.sampler.greedy_only(sts)  # min_tokens, once met, stays met for the whole run
         m, sample_s = len(work), 0.0
         for s in range(work[0][1]):
@@ -388,13 +466,24 @@ class ModelRunner:
             for st, t in zip(active, toks):
                 st.num_computed_tokens += 1
                 st.token_ids.append(t)
-        return StepResult(step_id=plan.step_id, request_ids=[st.request_id for st in sts],
-                          sampled_token_ids=[t for st, n in work for t in st.token_ids[-n:]],
-                          num_sampled=[n for _, n in work], sample_s=sample_s)
+        return StepResult(
+            step_id=plan.step_id,
+            request_ids=[st.request_id for st in sts],
+            sampled_token_ids=[t for st, n in work for t in st.token_ids[-n:]],
+            num_sampled=[n for _, n in work],
+            sample_s=sample_s,
+        )
 
-    def _draft(self, plan: StepPlan, result: StepResult, work: list[tuple[RequestState, int]],
-               starts: dict[str, int], last_tok: dict[str, int], hidden: torch.Tensor,
-               paths: dict[str, list[int]]) -> None:
+    def _draft(
+        self,
+        plan: StepPlan,
+        result: StepResult,
+        work: list[tuple[RequestState, int]],
+        starts: dict[str, int],
+        last_tok: dict[str, int],
+        hidden: torch.Tensor,
+        paths: dict[str, list[int]],
+    ) -> None:
         """EAGLE: extend each request's head KV over the positions that became valid this step
         (a prompt chunk, or the last known token plus the accepted drafts) with their hidden
         states and following tokens, and draft for plan.num_drafts. A failure costs only drafts.
@@ -411,8 +500,11 @@ class ModelRunner:
             cs.append(c)
             toks.append(follow)
             path = paths.get(st.request_id)
-            feats.append(hidden[first : first + m] if path is None else
-                         hidden[torch.tensor([first, *(first + 1 + a for a in path)])])
+            feats.append(
+                hidden[first : first + m]
+                if path is None
+                else hidden[torch.tensor([first, *(first + 1 + a for a in path)])]
+            )
             ks.append(plan.num_drafts.get(st.request_id, 0))
             tables.append(st.block_ids)
         try:
@@ -443,8 +535,9 @@ class ModelRunner:
         for st, _ in work:
             self.requests.pop(st.request_id, None)
         self.result_tensors = [pooled]
-        return StepResult(step_id=plan.step_id, pooled_request_ids=[st.request_id for st, _ in work],
-                          pooled=tensor_ref(1, pooled))
+        return StepResult(
+            step_id=plan.step_id, pooled_request_ids=[st.request_id for st, _ in work], pooled=tensor_ref(1, pooled)
+        )
 
     def _prompt_logprobs(self, rows: list[tuple[RequestState, int, int]], hidden: torch.Tensor) -> list[PromptLogprobs]:
         """For prompt_logprobs requests: logprobs of the prompt tokens this chunk predicts.
@@ -467,8 +560,12 @@ class ModelRunner:
                 chosen = logits.gather(1, target[:, None])
                 ranks = ((logits > chosen).sum(dim=-1) + 1).tolist()
                 top_l, top_ids = logits.topk(k, dim=-1) if k else (logits[:, :0], logits[:, :0].long())
-                entries += [TokenLogprobs(logprob=v, rank=r, top_ids=ti, top_logprobs=tl) for v, r, ti, tl in zip(
-                    (chosen - lse)[:, 0].tolist(), ranks, top_ids.tolist(), (top_l - lse).tolist())]
+                entries += [
+                    TokenLogprobs(logprob=v, rank=r, top_ids=ti, top_logprobs=tl)
+                    for v, r, ti, tl in zip(
+                        (chosen - lse)[:, 0].tolist(), ranks, top_ids.tolist(), (top_l - lse).tolist()
+                    )
+                ]
             out.append(PromptLogprobs(st.request_id, c + 1, entries))
         return out
 
@@ -484,7 +581,8 @@ class ModelRunner:
         if len(work) > b.max_context_batch or q > b.max_context_len:
             raise ValueError(
                 f"step of {len(work)} sequences, longest chunk {q}, fits no context-encoding "
-                f"bucket (batch <= {b.max_context_batch}, length <= {b.max_context_len})")
+                f"bucket (batch <= {b.max_context_batch}, length <= {b.max_context_len})"
+            )
         return b.prefill_shape(len(work), q, kv)
 
     def _execute_bucketed(self, plan: StepPlan, work: list[tuple[RequestState, int]], b: BucketConfig) -> StepResult:
@@ -496,8 +594,12 @@ class ModelRunner:
             new_shapes.append(shape)
             log.info("runner.new_shape", shape=shape, num_shapes=len(self.shapes))
         meta, src, last = build_static(
-            [n for _, n in work], [st.num_computed_tokens for st, _ in work],
-            [st.block_ids for st, _ in work], self.block_size, shape, self.pad_block,
+            [n for _, n in work],
+            [st.num_computed_tokens for st, _ in work],
+            [st.block_ids for st, _ in work],
+            self.block_size,
+            shape,
+            self.pad_block,
         )
         flat = np.fromiter(
             (t for st, n in work for t in st.token_ids[st.num_computed_tokens : st.num_computed_tokens + n]),
@@ -516,12 +618,23 @@ class ModelRunner:
             st.num_computed_tokens += n
         pick = [i for i, (st, _) in enumerate(work) if st.num_computed_tokens == len(st.token_ids)]
         samplers = [work[i][0] for i in pick]
-        return self._sample(plan, samplers, logits[torch.tensor(pick)] if pick else None,
-                            new_shapes=new_shapes, prompt_logprobs=prompt_lps)
+        return self._sample(
+            plan,
+            samplers,
+            logits[torch.tensor(pick)] if pick else None,
+            new_shapes=new_shapes,
+            prompt_logprobs=prompt_lps,
+        )
 
-    def _sample(self, plan: StepPlan, samplers: list, logits: torch.Tensor | None,
-                verify: list[RequestState] = (), paths: dict[str, list[int]] | None = None,
-                **extra: Any) -> StepResult:
+    def _sample(
+        self,
+        plan: StepPlan,
+        samplers: list,
+        logits: torch.Tensor | None,
+        verify: list[RequestState] = (),
+        paths: dict[str, list[int]] | None = None,
+        **extra: Any,
+    ) -> StepResult:
         """Sample one token per finished request (the first len(samplers) rows of `logits`),
         and verify the drafts of `verify` (the rows after those); append, report. A verified
         tree's accepted drafts go into `paths`, their K/V moved to the consecutive slots after
@@ -548,8 +661,9 @@ class ModelRunner:
             trees = [plan.draft_parents.get(st.request_id) for st in verify]
             chains = [list(range(-1, len(d) - 1)) for d in drafts]
             width = max(len(d) for d in drafts) + 1
-            out = tp_broadcast_ragged(self.sampler.verify(logits[n:], verify, drafts,
-                                                          [t or c for t, c in zip(trees, chains)]), width)
+            out = tp_broadcast_ragged(
+                self.sampler.verify(logits[n:], verify, drafts, [t or c for t, c in zip(trees, chains)]), width
+            )
             for st, d, tree, toks in zip(verify, drafts, trees, out):
                 if tree is not None:
                     path = tree_path(d, tree, toks)
@@ -587,6 +701,4 @@ def _check_encoder_config(config: EngineConfig, mc: ModelConfig, max_model_len: 
     if config.bucketing:
         raise ValueError("bucketing mode is not supported for the embed task")
     if max_model_len > mc.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len {max_model_len} exceeds the encoder's {mc.max_position_embeddings} positions"
-        )
+        raise ValueError(f"max_model_len {max_model_len} exceeds the encoder's {mc.max_position_embeddings} positions")

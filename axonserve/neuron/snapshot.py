@@ -226,7 +226,7 @@ class StepSnapshots:
 
     def __init__(self, model: nn.Module, rules: SnapshotRules, rank: int = 0):
         self.rules, self.rank = rules, rank
-        self.capture = (LayerCapture(model, rules.wants_layer) if "hidden" in rules.tensors else None)
+        self.capture = LayerCapture(model, rules.wants_layer) if "hidden" in rules.tensors else None
         self._items: dict[str, _Item] = {}
         self._wanted: dict[str, bool] = {}  # request id -> rules match (globs are not free per step)
         self._step_id = 0
@@ -239,8 +239,9 @@ class StepSnapshots:
             return None
         return StepSnapshots(model, SnapshotRules.from_json(rules_json), rank)
 
-    def begin(self, step_id: int, scheduled: Iterable[tuple[Any, list[int]]],
-              input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+    def begin(
+        self, step_id: int, scheduled: Iterable[tuple[Any, list[int]]], input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> None:
         """`scheduled`: (request state, flat-batch rows) before this step's tokens are counted."""
         import torch
 
@@ -299,10 +300,19 @@ class StepSnapshots:
             names = list(it.tensors)
             tensors = [it.tensors[n] for n in names]
             refs = {n: tensor_ref(k + 1, t) for k, (n, t) in enumerate(zip(names, tensors))}  # frame 0: body
-            self._pending.append((SnapshotRecord(
-                request_id=caller_request_id(it.request_id), step=it.step, step_id=self._step_id, rank=self.rank,
-                tensors=refs, time=now,
-            ), tensors))
+            self._pending.append(
+                (
+                    SnapshotRecord(
+                        request_id=caller_request_id(it.request_id),
+                        step=it.step,
+                        step_id=self._step_id,
+                        rank=self.rank,
+                        tensors=refs,
+                        time=now,
+                    ),
+                    tensors,
+                )
+            )
         self._items = {}
 
     def close(self) -> None:

@@ -52,16 +52,22 @@ class WorkerActor(Actor):
         if self.config.profile_dir:
             from axonserve.neuron.profiler import RankProfiler, model_device_type
 
-            self.profiler = RankProfiler(self.config.profile_dir, self.rank, model_device_type(r.model),
-                                         self.config.profile_max_steps, self.config.profile_max_traces)
+            self.profiler = RankProfiler(
+                self.config.profile_dir,
+                self.rank,
+                model_device_type(r.model),
+                self.config.profile_max_steps,
+                self.config.profile_max_traces,
+            )
         self.snap_sock: zmq.Socket | None = None
         self.snapshots_dropped = 0
         if r.snapshots is not None and self.addresses.snapshot:
             from axonserve.actors.snapshot import QUEUE
 
             # sync socket: NOBLOCK sends return at once (the stats socket's pattern)
-            self.snap_sock = bus_socket(zmq.Context.shadow(self.ctx.underlying), zmq.PUSH,
-                                        data_message_bytes(self.config))
+            self.snap_sock = bus_socket(
+                zmq.Context.shadow(self.ctx.underlying), zmq.PUSH, data_message_bytes(self.config)
+            )
             self.snap_sock.setsockopt(zmq.SNDHWM, QUEUE)
             self.snap_sock.setsockopt(zmq.LINGER, 2000)  # records of the last steps still leave
             self.snap_sock.connect(self.addresses.snapshot)
@@ -150,8 +156,9 @@ class WorkerActor(Actor):
 
         self.snap_sock.setsockopt(zmq.SNDTIMEO, 2000)  # off the hot path: wait for room, bounded
         try:
-            self.snap_sock.send_multipart(Codec.encode(SnapshotRecord("", -1, 0, self.rank,
-                                                                      dropped=self.snapshots_dropped)))
+            self.snap_sock.send_multipart(
+                Codec.encode(SnapshotRecord("", -1, 0, self.rank, dropped=self.snapshots_dropped))
+            )
         except zmq.Again:
             self.log.warning("snapshot.final_count_lost", dropped=self.snapshots_dropped)
         self.snap_sock.close(linger=2000)
@@ -166,8 +173,9 @@ class WorkerActor(Actor):
             except zmq.Again:
                 self.snapshots_dropped += 1
                 if self.snapshots_dropped == 1 or self.snapshots_dropped % 100 == 0:
-                    self.log.warning("snapshot.dropped", request_id=rec.request_id, step=rec.step,
-                                     dropped=self.snapshots_dropped)
+                    self.log.warning(
+                        "snapshot.dropped", request_id=rec.request_id, step=rec.step, dropped=self.snapshots_dropped
+                    )
 
     def _profile(self, cmd: ProfileCommand) -> ProfileAck:
         """Apply a profiler command on this rank; with several ranks, the ack reports a

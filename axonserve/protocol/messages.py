@@ -99,8 +99,11 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
                 "values must be in [-100, 100]",
             ),
             (all(t >= 0 for t in (self.logit_bias or {})), "logit_bias", "token ids must be >= 0"),
-            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids",
-             "must not be empty"),
+            (
+                self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+                "allowed_token_ids",
+                "must not be empty",
+            ),
             (all(t >= 0 for t in self.allowed_token_ids or []), "allowed_token_ids", "must be >= 0"),
             (
                 self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
@@ -135,14 +138,20 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
                 raise ParamError(name, f"{name} may have at most {limits.max_logit_bias} entries")
         so = self.structured_outputs
         if so is not None and len(so.spec.encode()) > limits.max_structured_output_bytes:
-            raise ParamError("structured_outputs", "the structured output constraint (schema, regex, grammar or "
-                                                   f"choices) is larger than {limits.max_structured_output_bytes} bytes")
+            raise ParamError(
+                "structured_outputs",
+                "the structured output constraint (schema, regex, grammar or "
+                f"choices) is larger than {limits.max_structured_output_bytes} bytes",
+            )
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ParamError naming the first token-id parameter with an id past the vocabulary
         (the sampler indexes logits with them: one bad id would fail the whole step)."""
-        for name, ids in (("logit_bias", self.logit_bias or {}), ("allowed_token_ids", self.allowed_token_ids or ()),
-                          ("stop_token_ids", self.stop_token_ids)):
+        for name, ids in (
+            ("logit_bias", self.logit_bias or {}),
+            ("allowed_token_ids", self.allowed_token_ids or ()),
+            ("stop_token_ids", self.stop_token_ids),
+        ):
             if any(t >= vocab_size for t in ids):
                 raise ParamError(name, f"{name} token ids must be in [0, {vocab_size})")
 

@@ -60,8 +60,9 @@ class DrafterActor(Actor):
                     self.proposer.drop(rid)
                 drafts = self.proposer.propose(msg) if msg.request_ids else []
                 want = [(rid, d[:m]) for rid, d, m in zip(msg.request_ids, drafts, msg.num_drafts) if m > 0]
-                reply = DraftResult(msg.step_id, [r for r, _ in want], [d for _, d in want],
-                                    propose_s=time.perf_counter() - t0)
+                reply = DraftResult(
+                    msg.step_id, [r for r, _ in want], [d for _, d in want], propose_s=time.perf_counter() - t0
+                )
             except Exception as e:  # noqa: BLE001 - (a malformed request too) this step goes without drafts
                 self.log.error("drafter.propose_failed", step_id=msg.step_id, error=repr(e))
                 for rid in msg.request_ids:  # their state may be half-updated
@@ -87,14 +88,24 @@ class DraftModelProposer:
         if not spec.model:
             raise ValueError('method "draft_model" needs "model": the draft model (name, directory or .gguf)')
         dcfg = msgspec.structs.replace(
-            config, model=resolve_model(spec.model), speculative=None, num_workers=1, num_kv_blocks=None,
-            kv_cache_memory_fraction=config.kv_cache_memory_fraction / 2, quantization="", snapshot="",
-            bucketing=False, task="generate")
+            config,
+            model=resolve_model(spec.model),
+            speculative=None,
+            num_workers=1,
+            num_kv_blocks=None,
+            kv_cache_memory_fraction=config.kv_cache_memory_fraction / 2,
+            quantization="",
+            snapshot="",
+            bucketing=False,
+            task="generate",
+        )
         self.runner = ModelRunner(dcfg)
         target_vocab = ModelConfig.from_dir(config.model).vocab_size
         if self.runner.vocab_size > target_vocab:
-            raise ValueError(f"draft model {dcfg.model} has {self.runner.vocab_size} tokens, more than the "
-                             f"target's {target_vocab}: they must share one vocabulary")
+            raise ValueError(
+                f"draft model {dcfg.model} has {self.runner.vocab_size} tokens, more than the "
+                f"target's {target_vocab}: they must share one vocabulary"
+            )
         self.bs = self.runner.block_size
         self.free = list(range(self.runner.num_kv_blocks))
         self.blocks: dict[str, list[int]] = {}
@@ -128,8 +139,9 @@ class DraftModelProposer:
                 new.append(NewRequestData(rid, true, len(true), list(have), 0, self.greedy))
                 counts_n = len(true)
             else:
-                same = next((i for i, (a, b) in enumerate(zip(st.token_ids, true)) if a != b),
-                            min(len(st.token_ids), len(true)))
+                same = next(
+                    (i for i, (a, b) in enumerate(zip(st.token_ids, true)) if a != b), min(len(st.token_ids), len(true))
+                )
                 st.token_ids = list(true)
                 st.num_computed_tokens = min(st.num_computed_tokens, same, len(true) - 1)
                 cached.append(CachedRequestData(rid, grown))
@@ -138,7 +150,7 @@ class DraftModelProposer:
         plan_n = [c for _, is_new, c in order if is_new] + [c for _, is_new, c in order if not is_new]
         drafts: dict[str, list[int]] = {rid: [] for rid, _, _ in order}
         plan = StepPlan(self._next(), new=new, cached=cached, num_scheduled_tokens=plan_n)
-        for j in range(k):
+        for _j in range(k):
             res = self.runner.execute(plan)
             if res.error:
                 raise ValueError(f"draft model step failed: {res.error}")

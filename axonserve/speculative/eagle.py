@@ -41,8 +41,10 @@ CONFIG_NAME = "eagle_config.json"
 WEIGHTS_NAME = "model.safetensors"
 D2T_NAME = "d2t"  # draft id -> target id map, saved next to the weights
 HEADS_DIR = os.path.join(os.path.dirname(__file__), "heads")  # heads shipped as package data
-_BUILTIN_HEADS = {"SmolLM2-135M-Instruct": "smollm2-135m-instruct",
-                  "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m-instruct"}
+_BUILTIN_HEADS = {
+    "SmolLM2-135M-Instruct": "smollm2-135m-instruct",
+    "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m-instruct",
+}
 
 
 def builtin_head_dir(model: str | None) -> str | None:
@@ -80,12 +82,19 @@ class EagleConfig:
     @classmethod
     def from_target(cls, mc: ModelConfig, draft_vocab_size: int, target_model: str = "") -> "EagleConfig":
         return cls(
-            hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size, num_heads=mc.num_heads,
-            num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, rms_norm_eps=mc.rms_norm_eps,
-            rope_theta=mc.rope_theta, rope_scaling=mc.rope_scaling,
+            hidden_size=mc.hidden_size,
+            intermediate_size=mc.intermediate_size,
+            num_heads=mc.num_heads,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            rms_norm_eps=mc.rms_norm_eps,
+            rope_theta=mc.rope_theta,
+            rope_scaling=mc.rope_scaling,
             max_position_embeddings=mc.max_position_embeddings,
-            draft_vocab_size=min(draft_vocab_size, mc.vocab_size), target_vocab_size=mc.vocab_size,
-            target_model=target_model, target_tie_word_embeddings=mc.tie_word_embeddings,
+            draft_vocab_size=min(draft_vocab_size, mc.vocab_size),
+            target_vocab_size=mc.vocab_size,
+            target_model=target_model,
+            target_tie_word_embeddings=mc.tie_word_embeddings,
         )
 
     def save(self, head_dir: str) -> None:
@@ -148,8 +157,10 @@ class EagleLayer(nn.Module):
 
     def merged_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The q/k/v and gate/up weights stacked, each one matmul's weight (pack(), the native stack)."""
-        return (torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)),
-                torch.cat((self.gate_proj.weight, self.up_proj.weight)))
+        return (
+            torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)),
+            torch.cat((self.gate_proj.weight, self.up_proj.weight)),
+        )
 
     def pack(self, quantization: str = "") -> None:
         """q/k/v and gate/up as one packed matmul each: a draft step is a handful of 1-4 row calls."""
@@ -173,8 +184,9 @@ class EagleLayer(nn.Module):
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-    def finish(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               mask: torch.Tensor | None) -> torch.Tensor:
+    def finish(
+        self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         """Attention of q over keys k/v ([B, Hkv, S, D], mask [B|1, 1, T, S] bool), residuals, SwiGLU."""
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         x = x + self.o_proj(o.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
@@ -193,8 +205,9 @@ class EagleHead(nn.Module):
         h = cfg.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=True)
         self.layer = EagleLayer(cfg)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
-                                      torch.float32)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, torch.float32
+        )
         if d2t.shape != (cfg.draft_vocab_size,):
             raise ValueError(f"d2t has shape {tuple(d2t.shape)}, config says {cfg.draft_vocab_size} draft tokens")
         self.register_buffer("d2t", d2t.long(), persistent=False)
@@ -205,8 +218,9 @@ class EagleHead(nn.Module):
     # ----------------------------------------------------------------- construction / io
 
     @classmethod
-    def from_target(cls, target_dir: str, d2t: torch.Tensor, target_model: str = "",
-                    dtype: torch.dtype = torch.float32) -> "EagleHead":
+    def from_target(
+        cls, target_dir: str, d2t: torch.Tensor, target_model: str = "", dtype: torch.dtype = torch.float32
+    ) -> "EagleHead":
         """A fresh (randomly initialised) head for the target in target_dir, with the given draft vocab."""
         mc = ModelConfig.from_dir(target_dir)
         cfg = EagleConfig.from_target(mc, len(d2t), target_model or target_dir)
@@ -218,8 +232,10 @@ class EagleHead(nn.Module):
         cfg = EagleConfig.load(head_dir)
         mc = ModelConfig.from_dir(target_dir)
         if (mc.hidden_size, mc.vocab_size) != (cfg.hidden_size, cfg.target_vocab_size):
-            raise ValueError(f"head in {head_dir} was made for hidden {cfg.hidden_size} / vocab "
-                             f"{cfg.target_vocab_size}, target {target_dir} has {mc.hidden_size} / {mc.vocab_size}")
+            raise ValueError(
+                f"head in {head_dir} was made for hidden {cfg.hidden_size} / vocab "
+                f"{cfg.target_vocab_size}, target {target_dir} has {mc.hidden_size} / {mc.vocab_size}"
+            )
         with safe_open(os.path.join(head_dir, WEIGHTS_NAME), framework="pt") as h:
             state = {k: h.get_tensor(k) for k in h.keys()}
         d2t = state.pop(D2T_NAME)
@@ -241,9 +257,20 @@ class EagleHead(nn.Module):
         """Seed the decoder layer with one of the target's layers (HF tensor names)."""
         mc = ModelConfig.from_dir(target_dir)
         i = index % mc.num_layers
-        names = {f"model.layers.{i}.{n}.weight": n for n in (
-            "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
-            "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+        names = {
+            f"model.layers.{i}.{n}.weight": n
+            for n in (
+                "input_layernorm",
+                "post_attention_layernorm",
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.v_proj",
+                "self_attn.o_proj",
+                "mlp.gate_proj",
+                "mlp.up_proj",
+                "mlp.down_proj",
+            )
+        }
         t = read_target_tensors(target_dir, list(names))
         with torch.no_grad():
             for full, short in names.items():
@@ -264,8 +291,9 @@ class EagleHead(nn.Module):
         dt = self.dtype
         return cos.view(shape).to(dt), sin.view(shape).to(dt)
 
-    def forward(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                return_kv: bool = False):
+    def forward(
+        self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor | None = None, return_kv: bool = False
+    ):
         """Full causal recompute over whole sequences: feats [B, T, H], tokens [B, T] -> f̂ [B, T, H]
         (row t predicts the feature at position t+1). The training path and the reference."""
         b, t = tokens.shape
@@ -384,8 +412,15 @@ class ChainDrafts:
 
 
 @torch.inference_mode()
-def propose(head: EagleHead, kvs: list[DraftKV], starts: list[int], tokens: list[torch.Tensor],
-            feats: list[torch.Tensor], k: int, min_prob: float = 0.0) -> list[list[int]]:
+def propose(
+    head: EagleHead,
+    kvs: list[DraftKV],
+    starts: list[int],
+    tokens: list[torch.Tensor],
+    feats: list[torch.Tensor],
+    k: int,
+    min_prob: float = 0.0,
+) -> list[list[int]]:
     """Up to k greedy draft tokens (target ids) per request, batched over requests (k = 0: only
     extend the KV; min_prob: ChainDrafts).
 
@@ -457,8 +492,10 @@ def head_dir(model: str, served_name: str) -> str:
         return model
     path = builtin_head_dir(served_name.removeprefix("HuggingFaceTB/"))
     if path is None:
-        raise ValueError(f"no EAGLE head ships for {served_name!r}: pass \"model\": HEAD_DIR in --speculative-config "
-                         "(make one with `axonserve train-eagle`)")
+        raise ValueError(
+            f'no EAGLE head ships for {served_name!r}: pass "model": HEAD_DIR in --speculative-config '
+            "(make one with `axonserve train-eagle`)"
+        )
     return path
 
 
@@ -473,9 +510,19 @@ class EagleProposer:
     above disable_by_batch_size, which skip the head) leave gaps filled with zero keys/values
     (slightly lower acceptance, outputs unaffected: every draft is verified)."""
 
-    def __init__(self, path: str, target_dir: str, dtype: torch.dtype = torch.float32, num_blocks: int = 0,
-                 block_size: int = 16, max_rows: int = 256, max_position: int = 0, quantization: str = "",
-                 min_prob: float = 0.0, tree: tuple[int, int] | None = None):
+    def __init__(
+        self,
+        path: str,
+        target_dir: str,
+        dtype: torch.dtype = torch.float32,
+        num_blocks: int = 0,
+        block_size: int = 16,
+        max_rows: int = 256,
+        max_position: int = 0,
+        quantization: str = "",
+        min_prob: float = 0.0,
+        tree: tuple[int, int] | None = None,
+    ):
         """num_blocks: the target's KV pool (its block ids address the paged head KV); 0: dense path.
         quantization: the head's weight format (pack()). min_prob: ChainDrafts. tree: (width, depth)
         of EAGLE-2 draft trees (TreeDrafts; the paged path only: the dense one drafts chains of depth)."""
@@ -490,21 +537,36 @@ class EagleProposer:
             self.paged = PagedDrafter.maybe(self.head, num_blocks, block_size, max_rows, max_position, scratch)
 
     @classmethod
-    def from_config(cls, config: Any, dtype: torch.dtype = torch.float32, num_blocks: int = 0,
-                    max_position: int = 0) -> "EagleProposer":
+    def from_config(
+        cls, config: Any, dtype: torch.dtype = torch.float32, num_blocks: int = 0, max_position: int = 0
+    ) -> "EagleProposer":
         spec = config.speculative
         # a target with quantized weights gets an int8 head (int4 would cost acceptance)
-        return cls(head_dir(spec.model, config.served_model_name or config.model), config.model, dtype,
-                   num_blocks=num_blocks, block_size=config.block_size, max_rows=config.max_num_seqs,
-                   max_position=max_position, quantization="int8" if config.quantization else "",
-                   min_prob=spec.min_draft_confidence, tree=spec.tree)
+        return cls(
+            head_dir(spec.model, config.served_model_name or config.model),
+            config.model,
+            dtype,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            max_rows=config.max_num_seqs,
+            max_position=max_position,
+            quantization="int8" if config.quantization else "",
+            min_prob=spec.min_draft_confidence,
+            tree=spec.tree,
+        )
 
     def drop(self, rid: str) -> None:
         self.kvs.pop(rid, None)
 
-    def propose(self, request_ids: list[str], starts: list[int], tokens: list[list[int]],
-                feats: list[torch.Tensor], num_drafts: list[int],
-                block_tables: list[list[int]] | None = None) -> tuple[list[list[int]], list[list[int]] | None]:
+    def propose(
+        self,
+        request_ids: list[str],
+        starts: list[int],
+        tokens: list[list[int]],
+        feats: list[torch.Tensor],
+        num_drafts: list[int],
+        block_tables: list[list[int]] | None = None,
+    ) -> tuple[list[list[int]], list[list[int]] | None]:
         """Request i's positions starts[i].. got features feats[i] [n_i, H] and were followed by
         tokens[i] (n_i ids); returns num_drafts[i] drafts each (0: only the KV grows), and their
         parents when they are trees (None: chains). block_tables: the requests' target blocks (the
@@ -520,8 +582,9 @@ class EagleProposer:
         elif self.tree is not None:
             num_drafts = [min(m, self.tree[1]) for m in num_drafts]
         if paged:
-            drafts, parents = self.paged.propose(block_tables, starts, tokens, feats, max(num_drafts), self.min_prob,
-                                                 tree)
+            drafts, parents = self.paged.propose(
+                block_tables, starts, tokens, feats, max(num_drafts), self.min_prob, tree
+            )
             return [d[:m] for d, m in zip(drafts, num_drafts)], parents
         kvs = []
         for rid, start in zip(request_ids, starts):
@@ -532,8 +595,15 @@ class EagleProposer:
                 zeros = torch.zeros(kv.k.shape[0], start - kv.length, kv.k.shape[2], dtype=kv.k.dtype)
                 kv.write(kv.length, zeros, zeros)
             kvs.append(kv)
-        drafts = propose(self.head, kvs, starts, [torch.tensor(t, dtype=torch.long) for t in tokens], feats,
-                         max(num_drafts), self.min_prob)
+        drafts = propose(
+            self.head,
+            kvs,
+            starts,
+            [torch.tensor(t, dtype=torch.long) for t in tokens],
+            feats,
+            max(num_drafts),
+            self.min_prob,
+        )
         return [d[:m] for d, m in zip(drafts, num_drafts)], None
 
 
@@ -610,8 +680,9 @@ class TreeDrafts:
 
     def grow(self, out: torch.Tensor) -> None:
         """f̂ [B*W, H] of the frontier rows just run: their children join the tree."""
-        self._children(out, [[(j, nodes[j][2], nodes[j][4]) for j in front]
-                             for nodes, front in zip(self.nodes, self.frontier)])
+        self._children(
+            out, [[(j, nodes[j][2], nodes[j][4]) for j in front] for nodes, front in zip(self.nodes, self.frontier)]
+        )
 
     def lists(self, budgets: list[int]) -> tuple[list[list[int]], list[list[int]]]:
         """(draft tokens, parents) per request: its budget best nodes, by depth then creation."""

@@ -33,25 +33,46 @@ def _spec(m: torch.nn.Module) -> fused.LinearSpec | None:
 
 
 class PagedDrafter:
-    def __init__(self, head: EagleHead, native: Any, num_blocks: int, block_size: int, max_rows: int,
-                 max_position: int, scratch: int = 16):
+    def __init__(
+        self,
+        head: EagleHead,
+        native: Any,
+        num_blocks: int,
+        block_size: int,
+        max_rows: int,
+        max_position: int,
+        scratch: int = 16,
+    ):
         """scratch: positions each request of a call may need past its blocks (a chain's k, a
         tree's width * (depth - 1))."""
         self.head, self.block_size, self.num_blocks = head, block_size, num_blocks
         c, layer, dt = head.config, head.layer, head.dtype
         # the head's rotary table, long enough for any position the target may reach plus a draft chain
         # past it (k <= 16; the dense path clamps instead)
-        rot = RotaryEmbedding(c.head_dim, max(c.max_position_embeddings, max_position) + 16, c.rope_theta,
-                              c.rope_scaling, torch.float32)
+        rot = RotaryEmbedding(
+            c.head_dim, max(c.max_position_embeddings, max_position) + 16, c.rope_theta, c.rope_scaling, torch.float32
+        )
         self.max_position = rot.cos.shape[0] - 1
-        self.stack = native.DecoderStack(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.head_dim**-0.5,
-                                         fused.NONE, rot.cos.to(dt), rot.sin.to(dt))
+        self.stack = native.DecoderStack(
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.rms_norm_eps,
+            c.head_dim**-0.5,
+            fused.NONE,
+            rot.cos.to(dt),
+            rot.sin.to(dt),
+        )
         if layer.packed_qkv is not None:
             qkv, gate_up = _spec(layer.packed_qkv), _spec(layer.packed_gate_up)
         else:
             qkv, gate_up = (fused.linear_spec(w, None) for w in layer.merged_weights())
-        if not fused.add_layer(self.stack, layer.input_layernorm, layer.post_attention_layernorm,
-                               [qkv, _spec(layer.o_proj), gate_up, _spec(layer.down_proj)]):
+        if not fused.add_layer(
+            self.stack,
+            layer.input_layernorm,
+            layer.post_attention_layernorm,
+            [qkv, _spec(layer.o_proj), gate_up, _spec(layer.down_proj)],
+        ):
             raise ValueError("the head's linears are in a format the native stack does not take")
         # blocks 0..num_blocks-1 mirror the target's; then `spare` scratch blocks per row of a call
         self.max_rows, self.spare = max_rows, -(-scratch // block_size)
@@ -60,8 +81,9 @@ class PagedDrafter:
         self.stack.set_caches([self.k], [self.v], [], [])
 
     @classmethod
-    def maybe(cls, head: EagleHead, num_blocks: int, block_size: int, max_rows: int,
-              max_position: int, scratch: int = 16) -> PagedDrafter | None:
+    def maybe(
+        cls, head: EagleHead, num_blocks: int, block_size: int, max_rows: int, max_position: int, scratch: int = 16
+    ) -> PagedDrafter | None:
         """The native drafter where the kernels are built (and enabled), else None (the dense path)."""
         from axonserve.neuron.ops import native
 
@@ -71,9 +93,16 @@ class PagedDrafter:
         return cls(head, k, num_blocks, block_size, max_rows, max_position, scratch)
 
     @torch.inference_mode()
-    def propose(self, block_tables: list[list[int]], starts: list[int], tokens: list[list[int]],
-                feats: list[torch.Tensor], k: int, min_prob: float = 0.0,
-                tree: tuple[int, int, list[int]] | None = None) -> tuple[list[list[int]], list[list[int]] | None]:
+    def propose(
+        self,
+        block_tables: list[list[int]],
+        starts: list[int],
+        tokens: list[list[int]],
+        feats: list[torch.Tensor],
+        k: int,
+        min_prob: float = 0.0,
+        tree: tuple[int, int, list[int]] | None = None,
+    ) -> tuple[list[list[int]], list[list[int]] | None]:
         """As eagle.propose: request i's positions starts[i].. got features feats[i] and were followed
         by tokens[i]; returns up to k greedy drafts (target ids) each (k = 0: only the head KV grows)
         and None, or with tree = (width, depth, budgets) and k > 0, EAGLE-2 trees: (drafts, parents)."""
@@ -101,15 +130,28 @@ class PagedDrafter:
                 raise ValueError(f"request {i}: position {last_pos[i]} is past its blocks and the scratch blocks")
         tab = torch.from_numpy(table)
 
-        def run(x: torch.Tensor, seq: np.ndarray, pos: np.ndarray, at: np.ndarray | None = None,
-                kv_len: np.ndarray | None = None, extra: np.ndarray | None = None) -> torch.Tensor:
+        def run(
+            x: torch.Tensor,
+            seq: np.ndarray,
+            pos: np.ndarray,
+            at: np.ndarray | None = None,
+            kv_len: np.ndarray | None = None,
+            extra: np.ndarray | None = None,
+        ) -> torch.Tensor:
             """Rows at positions pos, their K/V written at position `at` (default: pos), attending to
             keys 0..kv_len-1 (default: through pos) and to the positions in extra [rows, E] (-1 pad)."""
             at = pos if at is None else at
             kv_len = pos + 1 if kv_len is None else kv_len
             slots = table[seq, at // bs] * bs + at % bs
-            return self.stack.forward(x, torch.from_numpy(pos), torch.from_numpy(slots), tab, torch.from_numpy(seq),
-                                      torch.from_numpy(kv_len), None if extra is None else torch.from_numpy(extra))
+            return self.stack.forward(
+                x,
+                torch.from_numpy(pos),
+                torch.from_numpy(slots),
+                tab,
+                torch.from_numpy(seq),
+                torch.from_numpy(kv_len),
+                None if extra is None else torch.from_numpy(extra),
+            )
 
         seq = np.repeat(np.arange(b), n)
         pos = np.concatenate([np.arange(s, s + m) for s, m in zip(start, n)])

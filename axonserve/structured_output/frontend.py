@@ -83,13 +83,18 @@ def requested_spec(body: Any, tokenizer: Any, max_bytes: int | None = None) -> S
     if body.guided_grammar is not None:
         found.append(("guided_grammar", StructuredOutputsParams(kind="grammar", spec=body.guided_grammar)))
     if so is not None:
-        kinds = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                                      ("grammar", so.grammar)) if v is not None]
+        kinds = [
+            (k, v)
+            for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice), ("grammar", so.grammar))
+            if v is not None
+        ]
         if so.json_object:
             kinds.append(("json_object", True))
         if len(kinds) != 1:
-            raise ParamError("structured_outputs", "structured_outputs needs exactly one of json, regex, "
-                                                   "choice, grammar, json_object")
+            raise ParamError(
+                "structured_outputs",
+                "structured_outputs needs exactly one of json, regex, choice, grammar, json_object",
+            )
         kind, value = kinds[0]
         if kind == "json":
             spec = _schema(value, "structured_outputs", ws)  # type: ignore[arg-type]
@@ -99,18 +104,22 @@ def requested_spec(body: Any, tokenizer: Any, max_bytes: int | None = None) -> S
             spec = StructuredOutputsParams(kind=kind, spec=value if isinstance(value, str) else json.dumps(value))
         found.append(("structured_outputs", spec))
     if len(found) > 1:
-        raise ParamError(found[1][0], f"only one structured output constraint per request; got "
-                                      f"{', '.join(name for name, _ in found)}")
+        raise ParamError(
+            found[1][0],
+            f"only one structured output constraint per request; got {', '.join(name for name, _ in found)}",
+        )
     return checked(found[0][1], tokenizer, found[0][0], max_bytes) if found else None
 
 
-def checked(spec: StructuredOutputsParams, tokenizer: Any, param: str,
-            max_bytes: int | None = None) -> StructuredOutputsParams:
+def checked(
+    spec: StructuredOutputsParams, tokenizer: Any, param: str, max_bytes: int | None = None
+) -> StructuredOutputsParams:
     """Compile the spec now (ParamError naming `param` -> 400), unless it is over `max_bytes`
     (refused before compiling); llguidance reads fast (Rust) tokenizers only."""
     if max_bytes is not None and len(spec.spec.encode()) > max_bytes:
-        raise ParamError(param, f"{param}: the constraint (schema, regex, grammar or choices) is larger than "
-                                f"{max_bytes} bytes")
+        raise ParamError(
+            param, f"{param}: the constraint (schema, regex, grammar or choices) is larger than {max_bytes} bytes"
+        )
     if not getattr(tokenizer.hf, "is_fast", False):
         raise ParamError(param, "structured output needs a fast (tokenizers) tokenizer")
     try:
@@ -120,16 +129,23 @@ def checked(spec: StructuredOutputsParams, tokenizer: Any, param: str,
     return spec
 
 
-def with_structured_outputs(params: SamplingParams, body: Any, tokenizer: Any,
-                            tool_spec: StructuredOutputsParams | None = None,
-                            max_bytes: int | None = None) -> SamplingParams:
+def with_structured_outputs(
+    params: SamplingParams,
+    body: Any,
+    tokenizer: Any,
+    tool_spec: StructuredOutputsParams | None = None,
+    max_bytes: int | None = None,
+) -> SamplingParams:
     """`params` carrying the request's constraint: its own (response_format, guided_*,
     structured_outputs) or the one tool_choice required/named implies (frontends/openai/tools.py); not both.
     Compiling is CPU work: the server calls this off the event loop."""
     spec = requested_spec(body, tokenizer, max_bytes)
     if tool_spec is not None:
         if spec is not None:
-            raise ParamError("tool_choice", "tool_choice required or named already constrains the output; "
-                                            "it cannot be combined with response_format or guided decoding")
+            raise ParamError(
+                "tool_choice",
+                "tool_choice required or named already constrains the output; "
+                "it cannot be combined with response_format or guided decoding",
+            )
         spec = checked(tool_spec, tokenizer, "tools", max_bytes)
     return params if spec is None else msgspec.structs.replace(params, structured_outputs=spec)

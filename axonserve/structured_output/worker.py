@@ -101,8 +101,9 @@ class StructuredDecoding:
         self._warm: threading.Thread | None = None
         if enabled and importlib.util.find_spec("llguidance") is not None:
             ctx = contextvars.copy_context()  # its log lines keep the actor/rank binding
-            self._warm = threading.Thread(target=ctx.run, args=(self._llg_tokenizer,), name="llg-tokenizer",
-                                          daemon=True)
+            self._warm = threading.Thread(
+                target=ctx.run, args=(self._llg_tokenizer,), name="llg-tokenizer", daemon=True
+            )
             self._warm.start()
 
     def wait_warm(self, timeout_s: float = 60.0) -> None:
@@ -128,12 +129,14 @@ class StructuredDecoding:
 
                     hf = load_hf_tokenizer(self.model_dir)
                     self._tokenizer = llguidance.hf.from_tokenizer(
-                        hf, n_vocab=max(self.vocab_size, len(hf)), eos_token=self.eos_token_ids)
+                        hf, n_vocab=max(self.vocab_size, len(hf)), eos_token=self.eos_token_ids
+                    )
                 log.info("structured.tokenizer_ready", vocab=self._tokenizer.vocab_size, eos=self.eos_token_ids)
             except Exception as e:  # noqa: BLE001 - structured requests then end at once
                 self._tokenizer_error = f"{type(e).__name__}: {e}"
-                log.warning("structured.unavailable", reason="no grammar tokenizer for this model",
-                            error=self._tokenizer_error)
+                log.warning(
+                    "structured.unavailable", reason="no grammar tokenizer for this model", error=self._tokenizer_error
+                )
         return self._tokenizer
 
     def _new_state(self, st: _Sampled) -> GrammarState:
@@ -155,7 +158,7 @@ class StructuredDecoding:
                 self._templates.pop(next(iter(self._templates)))
             self._templates[key] = template
         state = GrammarState(template.deep_copy())
-        outputs = st.token_ids[st.num_prompt_tokens:]
+        outputs = st.token_ids[st.num_prompt_tokens :]
         if outputs:  # resumed after preemption: replay what was already generated
             self._consume(st, state, outputs)
         if state.matcher is not None and state.matcher.is_error():

@@ -20,6 +20,8 @@ import httpx
 import msgspec
 import pytest
 import zmq
+from frontends.server import serve
+from integration.test_faults import session_pids
 
 from axonserve.actors.runtime import (
     DATA_MESSAGE_BYTES,
@@ -41,8 +43,6 @@ from axonserve.protocol.messages import (
     StepResult,
     StepStats,
 )
-from frontends.server import serve
-from integration.test_faults import session_pids
 
 KEY = "sk-bus-hardening-4f1d9c"
 
@@ -140,7 +140,7 @@ def _listening(pids) -> dict[int, list[tuple[str, int]]]:
             hexaddr, hexport = f[1].split(":")
             raw = bytes.fromhex(hexaddr)
             if v6:  # four little-endian 32-bit words
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
                 addr = socket.inet_ntop(socket.AF_INET6, raw)
             else:
                 addr = socket.inet_ntop(socket.AF_INET, raw[::-1])
@@ -175,16 +175,29 @@ def _junk_frames() -> list[list[bytes]]:
     """Frames no receiver accepts: not msgpack, the wrong message type, a frame count or tensor
     reference that does not match, a valid result of a step nobody asked for."""
     return [
-        [b""], [b"\x00"], [b"\xc1"], [b"hello", b"world"], [os.urandom(300)],
+        [b""],
+        [b"\x00"],
+        [b"\xc1"],
+        [b"hello", b"world"],
+        [os.urandom(300)],
         [msgspec.msgpack.encode([1, "x", [1], "bad-params"])],
         [bytes(f) for f in Codec.encode(StepPlan(step_id=99))],
         [bytes(f) for f in Codec.encode(AddRequest("junk", [1, 2], SamplingParams()))],
         [bytes(f) for f in Codec.encode(GetMetrics())],
         [bytes(f) for f in Codec.encode(StepResult(step_id=10**9, request_ids=["nobody"], sampled_token_ids=[1]))],
-        [bytes(f) for f in Codec.encode(StepResult(step_id=1, pooled_request_ids=["x"],
-                                                   pooled=TensorRef(5, "float32", [1, 4])))],
-        [bytes(f) for f in Codec.encode(StepResult(step_id=2, kv_exports=[KVBlocks(4, [TensorRef(1, "float32", [9])])]))],
-        [bytes(f) for f in Codec.encode(StepStats(0, 0, 0.0, prompt_tokens=-5, num_tokens=-1))],  # a negative counter step
+        [
+            bytes(f)
+            for f in Codec.encode(
+                StepResult(step_id=1, pooled_request_ids=["x"], pooled=TensorRef(5, "float32", [1, 4]))
+            )
+        ],
+        [
+            bytes(f)
+            for f in Codec.encode(StepResult(step_id=2, kv_exports=[KVBlocks(4, [TensorRef(1, "float32", [9])])]))
+        ],
+        [
+            bytes(f) for f in Codec.encode(StepStats(0, 0, 0.0, prompt_tokens=-5, num_tokens=-1))
+        ],  # a negative counter step
         [bytes(f) for f in Codec.encode(Heartbeat("scheduler", 0.0))],
     ]
 
@@ -209,18 +222,34 @@ def test_real_server_bus_hardening(tiny_llama_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("AXONSERVE_RUN_DIR", run_parent)
     monkeypatch.delenv("AXONSERVE_API_KEY", raising=False)
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
-    draft = json.dumps({"method": "draft_model", "model": tiny_llama_dir, "num_speculative_tokens": 2,
-                        "disable_by_batch_size": 0})
-    args = ("--num-kv-blocks", "128", "--served-model-name", "tiny", "--num-workers", "2",
-            "--api-key", KEY, "--speculative-config", draft,
-            "--snapshot", "requests=snap-*,tensors=logits", "--snapshot-dir", str(tmp_path / "snap"))
+    draft = json.dumps(
+        {"method": "draft_model", "model": tiny_llama_dir, "num_speculative_tokens": 2, "disable_by_batch_size": 0}
+    )
+    args = (
+        "--num-kv-blocks",
+        "128",
+        "--served-model-name",
+        "tiny",
+        "--num-workers",
+        "2",
+        "--api-key",
+        KEY,
+        "--speculative-config",
+        draft,
+        "--snapshot",
+        "requests=snap-*,tensors=logits",
+        "--snapshot-dir",
+        str(tmp_path / "snap"),
+    )
     with serve(tiny_llama_dir, *args, start_timeout=300) as srv:
         auth = {"Authorization": f"Bearer {KEY}"}
         pids = session_pids(srv.proc.pid)
-        kinds = {pid: json.loads(cmd.split("axonserve.actors.entry ", 1)[1])["kind"]
-                 for pid, cmd in pids.items() if "axonserve.actors.entry" in cmd}
-        assert sorted(kinds.values()) == ["drafter", "frontend", "metrics", "scheduler", "snapshot",
-                                          "worker", "worker"]
+        kinds = {
+            pid: json.loads(cmd.split("axonserve.actors.entry ", 1)[1])["kind"]
+            for pid, cmd in pids.items()
+            if "axonserve.actors.entry" in cmd
+        }
+        assert sorted(kinds.values()) == ["drafter", "frontend", "metrics", "scheduler", "snapshot", "worker", "worker"]
 
         # -- the API key: on no child's command line; in no child's environment but the frontend's
         for pid, cmd in pids.items():
@@ -240,8 +269,13 @@ def test_real_server_bus_hardening(tiny_llama_dir, monkeypatch, tmp_path):
         run_dir = os.path.join(run_parent, os.listdir(run_parent)[0])
         path = lambda name: f"ipc://{run_dir}/{name}"  # noqa: E731
         bound = {  # the socket each actor binds -> the peer kind that can reach it
-            "engine": zmq.DEALER, "result": zmq.PUSH, "stats": zmq.PUSH, "metrics": zmq.DEALER,
-            "control": zmq.DEALER, "drafter": zmq.DEALER, "snapshot": zmq.PUSH,
+            "engine": zmq.DEALER,
+            "result": zmq.PUSH,
+            "stats": zmq.PUSH,
+            "metrics": zmq.DEALER,
+            "control": zmq.DEALER,
+            "drafter": zmq.DEALER,
+            "snapshot": zmq.PUSH,
         }
         for name in bound:
             assert os.path.exists(f"{run_dir}/{name}"), name
@@ -286,22 +320,36 @@ def test_real_server_bus_hardening(tiny_llama_dir, monkeypatch, tmp_path):
             assert set(session_pids(srv.proc.pid)) == set(pids), "a process of the server exited"
             with httpx.Client(base_url=srv.base_url, timeout=120) as http:
                 assert http.get("/health").status_code == 200
-                r = http.post("/v1/completions", json={"model": "tiny", "prompt": "Once upon a time",
-                                                       "max_tokens": 6, "temperature": 0}, headers=auth)
+                r = http.post(
+                    "/v1/completions",
+                    json={"model": "tiny", "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0},
+                    headers=auth,
+                )
                 assert r.status_code == 200, r.text
                 assert r.json()["usage"]["completion_tokens"] == 6
-                assert http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}
-                                 ).status_code == 401
+                assert (
+                    http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}).status_code
+                    == 401
+                )
                 m = http.get("/metrics", headers=auth)
                 assert m.status_code == 200 and "axonserve" in m.text  # the metrics actor answers
-                pre = http.options("/v1/completions", headers={
-                    "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+                pre = http.options(
+                    "/v1/completions",
+                    headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
+                )
                 assert "access-control-allow-origin" not in pre.headers  # CORS off by default
             assert set(session_pids(srv.proc.pid)) == set(pids)
         finally:
             ctx.destroy(linger=0)
-        wanted = ("worker rank 0 reply", "client message", "stats event", "metrics query", "draft request",
-                  "snapshot record", "bad_control_message")  # each socket's junk: logged
+        wanted = (
+            "worker rank 0 reply",
+            "client message",
+            "stats event",
+            "metrics query",
+            "draft request",
+            "snapshot record",
+            "bad_control_message",
+        )  # each socket's junk: logged
         deadline = time.monotonic() + 30  # (a loaded machine: the sink drains its socket in batches)
         while not all(what in (log := srv.log_tail(2_000_000)) for what in wanted) and time.monotonic() < deadline:
             time.sleep(0.5)

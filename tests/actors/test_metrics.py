@@ -42,8 +42,12 @@ def parse(text: str) -> dict[str, float]:
 
 @pytest.mark.timeout(180)
 async def test_engine_metrics_have_vllm_names_and_true_counts(tiny_llama_dir):
-    sup = Supervisor(EngineConfig(model=tiny_llama_dir, num_kv_blocks=128, block_size=4,
-                                  served_model_name="tiny", log_level="warning"), frontend=False)
+    sup = Supervisor(
+        EngineConfig(
+            model=tiny_llama_dir, num_kv_blocks=128, block_size=4, served_model_name="tiny", log_level="warning"
+        ),
+        frontend=False,
+    )
     await sup.start()
     client = await AsyncEngineClient.connect(sup.addresses.engine, timeout=60)
     try:
@@ -80,8 +84,11 @@ async def test_engine_metrics_have_vllm_names_and_true_counts(tiny_llama_dir):
 
 def test_metric_families_fold_events():
     em = EngineMetrics("m")
-    em.apply(StepStats(num_running=3, num_waiting=1, kv_cache_usage=0.5, generation_tokens=7,
-                       ttft_s=[0.1], itl_s=[0.01, 0.02]))
+    em.apply(
+        StepStats(
+            num_running=3, num_waiting=1, kv_cache_usage=0.5, generation_tokens=7, ttft_s=[0.1], itl_s=[0.01, 0.02]
+        )
+    )
     m = parse(em.render())
     assert m["vllm:num_requests_running{}"] == 3 and m["vllm:kv_cache_usage_perc{}"] == 0.5
     assert m["vllm:generation_tokens_total{}"] == 7
@@ -95,8 +102,7 @@ async def test_publish_never_blocks_and_counts_drops(tmp_path):
     from axonserve.actors.runtime import Actor
     from axonserve.config import ActorSpec, Addresses
 
-    spec = ActorSpec(kind="x", name="x", config=EngineConfig(model="none"),
-                     addresses=Addresses.in_dir(str(tmp_path)))
+    spec = ActorSpec(kind="x", name="x", config=EngineConfig(model="none"), addresses=Addresses.in_dir(str(tmp_path)))
     actor = Actor(spec)
     ev = StepStats(num_running=1, num_waiting=0, kv_cache_usage=0.0)
     t0 = time.perf_counter()

@@ -50,8 +50,14 @@ def index_steps(d: str, request_id: str) -> set[int]:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "axonserve.cli", *args], check=False, cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "axonserve.cli", *args],
+        check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_rules_parse_compact_and_json():
@@ -73,13 +79,29 @@ def test_served_snapshots_equal_transformers_hidden_states(tiny3_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     snap = str(tmp_path / "snap")
-    args = ("--num-kv-blocks", "64", "--block-size", "4", "--max-num-batched-tokens", "8",
-            "--snapshot", "requests=snap-*,tensors=inputs,hidden,logits", "--snapshot-dir", snap)
+    args = (
+        "--num-kv-blocks",
+        "64",
+        "--block-size",
+        "4",
+        "--max-num-batched-tokens",
+        "8",
+        "--snapshot",
+        "requests=snap-*,tensors=inputs,hidden,logits",
+        "--snapshot-dir",
+        snap,
+    )
     with serve(tiny3_dir, *args) as srv:
         with httpx.Client(base_url=srv.base_url, timeout=120) as http:
             for rid in ("snap-1", "other-1"):  # only the first matches the rules
-                body = {"model": tiny3_dir, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
-                        "ignore_eos": True, "request_id": rid}
+                body = {
+                    "model": tiny3_dir,
+                    "prompt": PROMPT,
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "request_id": rid,
+                }
                 r = http.post("/v1/completions", json=body)
                 assert r.status_code == 200, r.text
         wait_for(lambda: index_steps(snap, "snap-1") >= set(range(MAX_TOKENS)), 60, "the sink's records")
@@ -91,7 +113,7 @@ def test_served_snapshots_equal_transformers_hidden_states(tiny3_dir, tmp_path):
     assert sum(r["step"] == 0 for r in index["records"]) >= 3
 
     got = load_request(snap, "snap-1")
-    out_ids = got["input_ids"].tolist()[len(PROMPT):]  # the tokens fed back after sampling
+    out_ids = got["input_ids"].tolist()[len(PROMPT) :]  # the tokens fed back after sampling
     seq = PROMPT + out_ids
     assert got["input_ids"].tolist() == seq and len(seq) == len(PROMPT) + MAX_TOKENS - 1
     assert got["positions"].tolist() == list(range(len(seq)))
@@ -105,7 +127,7 @@ def test_served_snapshots_equal_transformers_hidden_states(tiny3_dir, tmp_path):
         torch.testing.assert_close(got[f"hidden.{i}"], hs[i + 1][0], atol=1e-4, rtol=1e-4)
     with torch.inference_mode():
         torch.testing.assert_close(hf.model.norm(got["hidden.2"]), hs[3][0], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(got["logits"], ref.logits[0, len(PROMPT) - 1:], atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(got["logits"], ref.logits[0, len(PROMPT) - 1 :], atol=1e-3, rtol=1e-4)
     # the sampled tokens are the argmax of the captured logits (greedy)
     assert got["logits"][:-1].argmax(-1).tolist() == out_ids
 
@@ -130,8 +152,14 @@ async def test_stalled_sink_drops_records_and_never_stalls_serving(tiny_llama_di
     from axonserve.protocol.messages import SamplingParams
 
     snap = str(tmp_path / "snap")
-    cfg = EngineConfig(model=tiny_llama_dir, num_kv_blocks=256, block_size=16, log_level="warning",
-                       snapshot=SnapshotRules(tensors=("logits",)).to_json(), snapshot_dir=snap)
+    cfg = EngineConfig(
+        model=tiny_llama_dir,
+        num_kv_blocks=256,
+        block_size=16,
+        log_level="warning",
+        snapshot=SnapshotRules(tensors=("logits",)).to_json(),
+        snapshot_dir=snap,
+    )
     sup = Supervisor(cfg, frontend=False)
     await sup.start()
     sink = sup.children["snapshot"].proc
@@ -170,14 +198,23 @@ def test_bucketed_steps_capture_the_same_tensors_as_eager_steps(tiny_llama_dir):
     params = SamplingParams(temperature=0, max_tokens=4)
 
     def capture(**kw) -> dict[str, torch.Tensor]:
-        runner = ModelRunner(EngineConfig(model=tiny_llama_dir, num_kv_blocks=32, block_size=4, max_model_len=256,
-                                          snapshot=rules, **kw))
-        runner.execute(StepPlan(1, new=[NewRequestData("b", [5, 6, 7], 3, [3], 0, params),
-                                        NewRequestData("a", PROMPT[:11], 11, [0, 1, 2], 0, params)],
-                                num_scheduled_tokens=[3, 11]))
+        runner = ModelRunner(
+            EngineConfig(model=tiny_llama_dir, num_kv_blocks=32, block_size=4, max_model_len=256, snapshot=rules, **kw)
+        )
+        runner.execute(
+            StepPlan(
+                1,
+                new=[
+                    NewRequestData("b", [5, 6, 7], 3, [3], 0, params),
+                    NewRequestData("a", PROMPT[:11], 11, [0, 1, 2], 0, params),
+                ],
+                num_scheduled_tokens=[3, 11],
+            )
+        )
         records = runner.snapshots.take()
-        runner.execute(StepPlan(2, cached=[CachedRequestData("b"), CachedRequestData("a")],
-                                num_scheduled_tokens=[1, 1]))
+        runner.execute(
+            StepPlan(2, cached=[CachedRequestData("b"), CachedRequestData("a")], num_scheduled_tokens=[1, 1])
+        )
         records += runner.snapshots.take()
         assert [(r.request_id, r.step) for r, _ in records] == [("a", 0), ("a", 1)]
         out: dict[str, list[torch.Tensor]] = {}

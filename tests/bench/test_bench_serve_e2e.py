@@ -11,10 +11,33 @@ from tests.frontends.server import REPO, serve
 def test_bench_serve_end_to_end(tiny_llama_dir, tmp_path):
     out = tmp_path / "results.json"
     with serve(tiny_llama_dir, "--max-num-seqs", "8") as srv:
-        cmd = [sys.executable, "-m", "axonserve.bench", "serve", "--base-url", srv.base_url,
-               "--num-prompts", "8", "--concurrency", "4", "--input-len", "16", "--output-len", "8",
-               "--vocab-size", "49152", "--warmup", "1", "--no-progress", "--out", str(out),
-               "--plot", "", "--temperature", "1.0"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "axonserve.bench",
+            "serve",
+            "--base-url",
+            srv.base_url,
+            "--num-prompts",
+            "8",
+            "--concurrency",
+            "4",
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--vocab-size",
+            "49152",
+            "--warmup",
+            "1",
+            "--no-progress",
+            "--out",
+            str(out),
+            "--plot",
+            "",
+            "--temperature",
+            "1.0",
+        ]
         r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads(out.read_text())

@@ -24,6 +24,7 @@ def _sse(texts, usage=None, finish="length"):
 @contextlib.asynccontextmanager
 async def _server(status: int, text: str, pieces: int = 5):
     """A session and the URL of a server answering every POST with `text` (streamed in pieces)."""
+
     async def handler(request: web.Request) -> web.StreamResponse:
         await request.read()
         if status != 200:
@@ -96,14 +97,14 @@ async def test_run_load_respects_concurrency(monkeypatch):
         await asyncio.sleep(0.01)
         live -= 1
         from axonserve.bench.stats import RequestResult
+
         return RequestResult(ok=True, prompt_len=prompt_len, output_tokens=2, ttft=0.01, itl=[0.0], e2e=0.01)
 
     monkeypatch.setattr("axonserve.bench.loadgen.send_one", fake_send)
     specs = [RequestSpec([1], 1, 2) for _ in range(10)]
     res, dur = await run_load(LoadConfig("http://127.0.0.1:1", "m", concurrency=3, progress=False), specs)
     assert len(res) == 10 and all(r.ok for r in res) and peak == 3
-    res, _ = await run_load(LoadConfig("http://127.0.0.1:1", "m", request_rate=1000.0, seed=1,
-                                       progress=False), specs)
+    res, _ = await run_load(LoadConfig("http://127.0.0.1:1", "m", request_rate=1000.0, seed=1, progress=False), specs)
     assert len(res) == 10
 
 

@@ -8,7 +8,7 @@ def test_events_split_at_every_byte():
     p = SSEParser()
     events = []
     for i in range(len(stream)):
-        events += p.feed(stream[i:i + 1])
+        events += p.feed(stream[i : i + 1])
     assert events == ['{"a": 1}', '{"b": 2}', "[DONE]"]
 
 
@@ -26,4 +26,4 @@ def test_cr_only_and_flush():
 
 def test_utf8_text():
     p = SSEParser()
-    assert p.feed("data: {\"text\": \"héllo ✓\"}\n\n".encode()) == ['{"text": "héllo ✓"}']
+    assert p.feed('data: {"text": "héllo ✓"}\n\n'.encode()) == ['{"text": "héllo ✓"}']

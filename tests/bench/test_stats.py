@@ -10,8 +10,9 @@ from axonserve.bench.stats import RequestResult, distribution, summarize
 
 def _req(ttft, gaps, tokens=None, prompt_len=10):
     e2e = ttft + sum(gaps)
-    return RequestResult(ok=True, prompt_len=prompt_len, output_tokens=tokens or len(gaps) + 1,
-                         ttft=ttft, itl=list(gaps), e2e=e2e)
+    return RequestResult(
+        ok=True, prompt_len=prompt_len, output_tokens=tokens or len(gaps) + 1, ttft=ttft, itl=list(gaps), e2e=e2e
+    )
 
 
 def test_tpot_excludes_first_token():

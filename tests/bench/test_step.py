@@ -14,8 +14,21 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.mark.parametrize("workers", [1, 2])
 def test_bench_step_reports_every_batch(tmp_path, smollm2_dir, workers):
     out = tmp_path / "step.json"
-    cmd = [sys.executable, "-m", "axonserve.cli", "bench", "step", "--batches", "1,4", "--tokens", "8",
-           "--num-workers", str(workers), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "axonserve.cli",
+        "bench",
+        "step",
+        "--batches",
+        "1,4",
+        "--tokens",
+        "8",
+        "--num-workers",
+        str(workers),
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]

@@ -53,16 +53,32 @@ def test_runner_in_process_matches_reference_and_stays_in_buckets(tiny_llama_dir
     from axonserve.engine.scheduler import Scheduler, SchedulerConfig
     from axonserve.neuron.model_runner import ModelRunner
 
-    cfg = EngineConfig(model=tiny_llama_dir, block_size=4, num_kv_blocks=24, threads=1, bucketing=True,
-                       max_num_seqs=8, max_num_batched_tokens=24, **BUCKETS)
+    cfg = EngineConfig(
+        model=tiny_llama_dir,
+        block_size=4,
+        num_kv_blocks=24,
+        threads=1,
+        bucketing=True,
+        max_num_seqs=8,
+        max_num_batched_tokens=24,
+        **BUCKETS,
+    )
     runner = ModelRunner(cfg)
     assert runner.max_model_len == 128  # capped at the largest KV-length bucket
     b = BucketConfig.from_engine_config(cfg, runner.max_model_len)
     assert b == runner.buckets
-    s = Scheduler(SchedulerConfig(
-        max_num_seqs=8, max_num_batched_tokens=24, max_model_len=runner.max_model_len, block_size=4,
-        num_kv_blocks=runner.num_kv_blocks, vocab_size=runner.vocab_size,
-        eos_token_ids=frozenset(runner.eos_token_ids), buckets=b))
+    s = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=24,
+            max_model_len=runner.max_model_len,
+            block_size=4,
+            num_kv_blocks=runner.num_kv_blocks,
+            vocab_size=runner.vocab_size,
+            eos_token_ids=frozenset(runner.eos_token_ids),
+            buckets=b,
+        )
+    )
     params = SamplingParams(temperature=0.0, max_tokens=N_NEW, min_tokens=N_NEW)
     pending = list(enumerate(workload()))
     outs: dict[str, list[int]] = {}
@@ -115,8 +131,7 @@ async def test_engine_outputs_identical_with_bucketing(tiny_llama_dir, reference
             return toks
 
         got = [await one(0, prompts[0])]  # warms the prefix cache
-        got += await asyncio.wait_for(
-            asyncio.gather(*(one(i, p) for i, p in enumerate(prompts[1:]))), 90)
+        got += await asyncio.wait_for(asyncio.gather(*(one(i, p) for i, p in enumerate(prompts[1:]))), 90)
         stats = await client.get_stats()
     finally:
         client.close()

@@ -9,9 +9,18 @@ from axonserve.protocol.messages import PoolingParams, SamplingParams, StepPlan,
 
 
 def make(task="embed", budget=32, max_seqs=8, max_len=16, num_blocks=0) -> Scheduler:
-    return Scheduler(SchedulerConfig(
-        max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len, block_size=4,
-        num_kv_blocks=num_blocks, vocab_size=100, eos_token_ids=frozenset({2}), task=task))
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_len,
+            block_size=4,
+            num_kv_blocks=num_blocks,
+            vocab_size=100,
+            eos_token_ids=frozenset({2}),
+            task=task,
+        )
+    )
 
 
 def embed_req(rid: str, n: int) -> Request:
@@ -38,7 +47,9 @@ def test_pooling_requests_run_whole_in_one_step_without_blocks():
     assert [nr.request_id for nr in plan.new] == ["a", "b"] and plan.num_scheduled_tokens == [10, 16]
     deltas = s.update(pooled(plan))
     assert [(d.request_id, d.finish_reason, d.num_prompt_tokens, d.new_token_ids) for d in deltas] == [
-        ("a", "stop", 10, []), ("b", "stop", 16, [])]
+        ("a", "stop", 10, []),
+        ("b", "stop", 16, []),
+    ]
     assert set(s.requests) == {"c", "d"} and s.running == [] and s.blocks.usage() == 0.0
     plan = s.schedule()
     assert [nr.request_id for nr in plan.new] == ["c", "d"]

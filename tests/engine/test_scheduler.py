@@ -48,8 +48,9 @@ class Worker:
         order = []
         for nr in plan.new:
             assert nr.request_id not in self.state
-            self.state[nr.request_id] = dict(toks=list(nr.token_ids), c=nr.num_computed_tokens,
-                                             blocks=list(nr.block_ids), np=nr.num_prompt_tokens)
+            self.state[nr.request_id] = dict(
+                toks=list(nr.token_ids), c=nr.num_computed_tokens, blocks=list(nr.block_ids), np=nr.num_prompt_tokens
+            )
             order.append(nr.request_id)
         for cr in plan.cached:
             self.state[cr.request_id]["blocks"] += cr.new_block_ids
@@ -133,8 +134,7 @@ def test_chunked_prefill_under_budget_and_decode_first():
 
 
 def test_stop_conditions():
-    toks = {"eos": [5, EOS, 7], "stopid": [5, 9, 7], "len": [5] * 10, "ign": [EOS] * 10,
-            "min": [EOS, EOS, 6, EOS]}
+    toks = {"eos": [5, EOS, 7], "stopid": [5, 9, 7], "len": [5] * 10, "ign": [EOS] * 10, "min": [EOS, EOS, 6, EOS]}
     s, w = make(), Worker(lambda rid, i: toks[rid][i])
     s.add(req("eos", 3))
     s.add(req("stopid", 3, stop_token_ids=[9]))
@@ -385,8 +385,7 @@ def test_bucketing_chunk_off_rejects_prompts_beyond_the_largest_context_bucket()
 def test_bucketing_chunk_off_resumes_a_preempted_request_longer_than_any_bucket():
     # 8 blocks of 4: two 6-token prompts growing to 18 tokens collide at ~16 tokens each, so
     # the victim comes back with more tokens than the largest context bucket (8)
-    s = make_b(dict(context_len=[4, 8]), num_blocks=8, enable_chunked_prefill=False,
-               enable_prefix_caching=False)
+    s = make_b(dict(context_len=[4, 8]), num_blocks=8, enable_chunked_prefill=False, enable_prefix_caching=False)
     w = Worker(lambda rid, i: 20 + i)
     for rid in "ab":
         s.add(req(rid, 6, max_tokens=12))
@@ -397,8 +396,10 @@ def test_bucketing_chunk_off_resumes_a_preempted_request_longer_than_any_bucket(
 
 def test_chunking_off_still_resumes_a_request_grown_past_the_budget():
     """Preempted after growing beyond max_num_batched_tokens: recomputed in chunks, not stuck."""
-    s, w = (make(num_blocks=5, budget=8, enable_chunked_prefill=False, enable_prefix_caching=False),
-            Worker(lambda rid, i: 20 + i))
+    s, w = (
+        make(num_blocks=5, budget=8, enable_chunked_prefill=False, enable_prefix_caching=False),
+        Worker(lambda rid, i: 20 + i),
+    )
     for rid in "ab":
         s.add(req(rid, 7, max_tokens=10))
     outs, finish, plans = drive(s, w)
@@ -459,20 +460,46 @@ def test_draft_trees_travel_with_their_parents_and_count_by_depth():
     still a tree), a malformed tree is dropped, and the back-off rate is accepted / path length."""
     from axonserve.config import SpeculativeConfig
 
-    s = make(block_size=4, speculative=SpeculativeConfig(method="eagle", num_speculative_tokens=6, tree_width=3,
-                                                         tree_depth=3, disable_by_batch_size=0, max_verify_rows=0))
+    s = make(
+        block_size=4,
+        speculative=SpeculativeConfig(
+            method="eagle",
+            num_speculative_tokens=6,
+            tree_width=3,
+            tree_depth=3,
+            disable_by_batch_size=0,
+            max_verify_rows=0,
+        ),
+    )
     r = req("a", 6, max_tokens=5)
     s.add(r)
     plan = s.schedule()
     assert plan.num_drafts == {"a": 4}  # never past the last token: 4 left after this step's one
-    s.update(StepResult(plan.step_id, ["a"], [40], draft_request_ids=["a"], draft_token_ids=[[41, 42, 43, 44, 45]],
-                        draft_parents=[[-1, -1, 0, 1, 2]]))
+    s.update(
+        StepResult(
+            plan.step_id,
+            ["a"],
+            [40],
+            draft_request_ids=["a"],
+            draft_token_ids=[[41, 42, 43, 44, 45]],
+            draft_parents=[[-1, -1, 0, 1, 2]],
+        )
+    )
     assert r.spec_token_ids == [41, 42, 43] and r.spec_parents == [-1, -1, 0]  # room for 3 more after 40
     plan = s.schedule()
     assert plan.draft_token_ids == {"a": [41, 42, 43]} and plan.draft_parents == {"a": [-1, -1, 0]}
     assert plan.num_scheduled_tokens == [4]
-    s.update(StepResult(plan.step_id, ["a"], [41, 43, 50], num_sampled=[3],  # path 41 -> 43, then 50
-                        draft_request_ids=["a"], draft_token_ids=[[51, 52]], draft_parents=[[-1, 5]]))
+    s.update(
+        StepResult(
+            plan.step_id,
+            ["a"],
+            [41, 43, 50],
+            num_sampled=[3],  # path 41 -> 43, then 50
+            draft_request_ids=["a"],
+            draft_token_ids=[[51, 52]],
+            draft_parents=[[-1, 5]],
+        )
+    )
     assert r.num_computed_tokens == 9 and r.spec.rate == 1.0  # 2 accepted of a 2-deep tree
     assert s.spec.counters() == (1, 3, 2, [1, 1, 0, 0, 0, 0])
     assert r.spec_token_ids == [] and r.spec_parents is None  # parent 5 of draft 1: not a tree, dropped
@@ -514,7 +541,11 @@ def test_a_request_finishing_on_its_first_token_still_publishes_its_prompt_block
 
 def test_token_id_parameters_past_the_vocabulary_are_refused_at_intake():
     s = make()
-    for bad in (dict(stop_token_ids=[100], min_tokens=1), dict(logit_bias={100: 1.0}), dict(allowed_token_ids=[5, 100])):
+    for bad in (
+        dict(stop_token_ids=[100], min_tokens=1),
+        dict(logit_bias={100: 1.0}),
+        dict(allowed_token_ids=[5, 100]),
+    ):
         why = s.check(req("x", 3, **bad))
         assert why is not None and "[0, 100)" in why, bad
 
@@ -526,12 +557,18 @@ def _counting(fn):
     def f(rid, i):
         rows[rid] += 1
         return fn(rid, i)
+
     return f, rows
 
 
 def test_async_scheduling_same_outputs_stop_rules_and_one_wasted_row_at_most():
-    toks = {"eos": [5, EOS, 7, 7], "stopid": [5, 9, 7, 7], "len": [5] * 10, "ign": [EOS] * 10,
-            "min": [EOS, EOS, 6, EOS, 7]}
+    toks = {
+        "eos": [5, EOS, 7, 7],
+        "stopid": [5, 9, 7, 7],
+        "len": [5] * 10,
+        "ign": [EOS] * 10,
+        "min": [EOS, EOS, 6, EOS, 7],
+    }
     got = {}
     for mode in ("sync", "async"):
         fn, rows = _counting(lambda rid, i: toks[rid][i])
@@ -562,6 +599,7 @@ def test_async_scheduling_preemption_keeps_the_token_in_flight(monkeypatch):
         if self.status == Status.PREEMPTED:
             landed_preempted.append(self.request_id)
         return append(self, toks, eos)
+
     monkeypatch.setattr(Request, "append_tokens", watch)
     s, w = _tight_pool(async_scheduling=True)
     outs, finish, plans = drive_async(s, w)
@@ -576,8 +614,14 @@ def test_multi_step_same_outputs_and_stop_rules_at_most_n_minus_1_wasted_rows():
     """num_scheduler_steps=4: a pure-decode batch runs up to 4 forwards per plan; outputs and
     finish reasons equal single-step decoding, a length stop is never overrun, and an EOS or a
     stop token costs at most 3 discarded rows."""
-    toks = {"eos": [5, 6, 6, EOS, 7, 7, 7, 7], "stopid": [5, 9, 7, 7, 7, 7], "len": [5] * 10,
-            "ign": [EOS] * 10, "min": [EOS, EOS, 6, EOS, 7, 7, 7, 7], "long": list(range(30, 50))}
+    toks = {
+        "eos": [5, 6, 6, EOS, 7, 7, 7, 7],
+        "stopid": [5, 9, 7, 7, 7, 7],
+        "len": [5] * 10,
+        "ign": [EOS] * 10,
+        "min": [EOS, EOS, 6, EOS, 7, 7, 7, 7],
+        "long": list(range(30, 50)),
+    }
     got = {}
     for steps in (1, 4):
         fn, rows = _counting(lambda rid, i: toks[rid][i])
@@ -596,8 +640,9 @@ def test_multi_step_same_outputs_and_stop_rules_at_most_n_minus_1_wasted_rows():
             assert not multi and s.num_forwards == len([p for p in plans if p.num_scheduled_tokens])
             continue
         assert multi and all(max(p.num_scheduled_tokens) <= 4 for p in multi)
-        assert s.num_forwards == sum(max(p.num_scheduled_tokens) if p.multi_step else 1 for p in plans if
-                                     p.num_scheduled_tokens)
+        assert s.num_forwards == sum(
+            max(p.num_scheduled_tokens) if p.multi_step else 1 for p in plans if p.num_scheduled_tokens
+        )
         assert rows["len"] == 5 and rows["ign"] == 3 and rows["long"] == 14, rows  # length: never past
         assert rows["eos"] - 4 <= 3 and rows["stopid"] - 2 <= 3 and rows["min"] - 4 <= 3, rows
     assert got[4] == got[1]
@@ -689,8 +734,13 @@ def test_multi_step_with_async_scheduling_same_outputs_and_bounded_waste():
     """Async scheduling makes the next multi-step plan while one runs: each request's n pending
     tokens count as known, so the plan after continues where the worker will be. Outputs equal
     single-step decoding; a stop mid-plan costs at most the rest of that plan and the next."""
-    toks = {"eos": [5, 6, 6, EOS, 7, 7, 7, 7, 7, 7, 7, 7], "stopid": [5, 9] + [7] * 10, "len": [5] * 10,
-            "min": [EOS, EOS, 6, EOS] + [7] * 8, "long": list(range(30, 50))}
+    toks = {
+        "eos": [5, 6, 6, EOS, 7, 7, 7, 7, 7, 7, 7, 7],
+        "stopid": [5, 9] + [7] * 10,
+        "len": [5] * 10,
+        "min": [EOS, EOS, 6, EOS] + [7] * 8,
+        "long": list(range(30, 50)),
+    }
     got = {}
     for mode in ("sync1", "async4"):
         fn, rows = _counting(lambda rid, i: toks[rid][i])

@@ -8,12 +8,12 @@ import asyncio
 import random
 
 import pytest
+from conftest import hf_greedy
+
 from axonserve.actors.supervisor import Supervisor
 from axonserve.config import EngineConfig
 from axonserve.frontends.client import AsyncEngineClient
 from axonserve.protocol.messages import SamplingParams
-
-from conftest import hf_greedy
 
 N_NEW = 10
 
@@ -39,8 +39,7 @@ def reference(tiny_llama_dir):
 
 CASES = {
     "all_on": dict(max_num_batched_tokens=32),
-    "prefix_off_chunk_off": dict(enable_prefix_caching=False, enable_chunked_prefill=False,
-                                 max_num_batched_tokens=128),
+    "prefix_off_chunk_off": dict(enable_prefix_caching=False, enable_chunked_prefill=False, max_num_batched_tokens=128),
     "chunk_only": dict(enable_prefix_caching=False, max_num_batched_tokens=8),
     "batch1_prefix": dict(max_num_seqs=1),  # the vllm-neuron "prefix caching at bs=1" defect
     "tiny_pool_preemption": dict(num_kv_blocks=20, max_num_batched_tokens=16),
@@ -51,8 +50,9 @@ CASES = {
     # multi-step decoding: plans of up to 4 forwards, preemptions between them
     "multistep_all_on": dict(max_num_batched_tokens=32, num_scheduler_steps=4),
     "multistep_tiny_pool_preemption": dict(num_kv_blocks=20, max_num_batched_tokens=16, num_scheduler_steps=4),
-    "multistep_async_tiny_pool": dict(num_kv_blocks=20, max_num_batched_tokens=16, num_scheduler_steps=4,
-                                      async_scheduling=True),
+    "multistep_async_tiny_pool": dict(
+        num_kv_blocks=20, max_num_batched_tokens=16, num_scheduler_steps=4, async_scheduling=True
+    ),
 }
 
 
@@ -79,8 +79,7 @@ async def test_outputs_identical_under_each_feature(tiny_llama_dir, reference, c
 
         # sequential first request warms the cache so later ones hit it
         got = [await one(0, prompts[0])]
-        got += await asyncio.wait_for(
-            asyncio.gather(*(one(i, p) for i, p in enumerate(prompts[1:]))), 240)
+        got += await asyncio.wait_for(asyncio.gather(*(one(i, p) for i, p in enumerate(prompts[1:]))), 240)
         stats = await client.get_stats()
     finally:
         client.close()
@@ -99,8 +98,12 @@ async def test_outputs_identical_under_each_feature(tiny_llama_dir, reference, c
 @pytest.mark.timeout(300)
 async def test_decodes_progress_during_a_long_chunked_prefill(tiny_llama_dir):
     """A 1,800-token prompt prefills in 64-token chunks while a running stream keeps decoding."""
-    sup = Supervisor(EngineConfig(model=tiny_llama_dir, num_kv_blocks=600, block_size=4,
-                                  max_num_batched_tokens=64, log_level="warning"), frontend=False)
+    sup = Supervisor(
+        EngineConfig(
+            model=tiny_llama_dir, num_kv_blocks=600, block_size=4, max_num_batched_tokens=64, log_level="warning"
+        ),
+        frontend=False,
+    )
     await sup.start()
     client = await AsyncEngineClient.connect(sup.addresses.engine, timeout=60)
     try:
@@ -110,7 +113,7 @@ async def test_decodes_progress_during_a_long_chunked_prefill(tiny_llama_dir):
 
         async def streamer():
             p = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
-            async for out in client.generate([5, 6, 7], p):
+            async for _out in client.generate([5, 6, 7], p):
                 events.append("a")
                 if len(events) == 3:
                     started.set()
@@ -118,14 +121,14 @@ async def test_decodes_progress_during_a_long_chunked_prefill(tiny_llama_dir):
         async def long_one():
             await started.wait()
             events.append("B-submitted")
-            async for out in client.generate(long_prompt, SamplingParams(temperature=0, max_tokens=2)):
+            async for _out in client.generate(long_prompt, SamplingParams(temperature=0, max_tokens=2)):
                 events.append("B")
 
         await asyncio.wait_for(asyncio.gather(streamer(), long_one()), 240)
     finally:
         client.close()
         await sup.stop("test done")
-    during = events[events.index("B-submitted"):events.index("B")]
+    during = events[events.index("B-submitted") : events.index("B")]
     # 1800/64 ≈ 29 prefill steps, each also decoding the running stream (decode first)
     assert during.count("a") >= 20, during.count("a")
 
@@ -135,18 +138,34 @@ async def test_multi_step_sampling_equals_single_step(tiny_llama_dir):
     """Seeded sampling with penalties and min_tokens (the sampler's general path, which reads each
     request's tokens so far) gives the same tokens whether a plan runs 1 or 6 forwards: the
     worker feeds every sampled token back before the next forward."""
-    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=7 + i, max_tokens=24, min_tokens=20,
-                             repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3) for i in range(3)]
+    params = [
+        SamplingParams(
+            temperature=0.9,
+            top_p=0.9,
+            seed=7 + i,
+            max_tokens=24,
+            min_tokens=20,
+            repetition_penalty=1.3,
+            frequency_penalty=0.5,
+            presence_penalty=0.3,
+        )
+        for i in range(3)
+    ]
     params.append(SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.5))
     prompts = [[5 + i, 17, 900 + i, 33] for i in range(4)]
     got = {}
     for steps in (1, 6):
-        sup = Supervisor(EngineConfig(model=tiny_llama_dir, num_kv_blocks=200, block_size=4, log_level="warning",
-                                      num_scheduler_steps=steps), frontend=False)
+        sup = Supervisor(
+            EngineConfig(
+                model=tiny_llama_dir, num_kv_blocks=200, block_size=4, log_level="warning", num_scheduler_steps=steps
+            ),
+            frontend=False,
+        )
         await sup.start()
         client = await AsyncEngineClient.connect(sup.addresses.engine, timeout=60)
         try:
-            async def one(ids: list[int], p: SamplingParams) -> list[int]:
+
+            async def one(ids: list[int], p: SamplingParams, client=client) -> list[int]:
                 toks: list[int] = []
                 async for out in client.generate(ids, p):
                     assert out.error is None, out.error

@@ -47,8 +47,7 @@ def serve(model_dir: str, *args: str, start_timeout: float = 180.0) -> Iterator[
     log = tempfile.NamedTemporaryFile(prefix="axonserve-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "axonserve.cli", "serve", model_dir, "--port", str(port), *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, env=env)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     served = Served(f"http://127.0.0.1:{port}", proc, log.name)
     failed = True
     try:

@@ -117,19 +117,22 @@ def test_longest_prompt_fits_one_more_is_400_with_the_numbers(oai, server):
     assert resp.status_code == 400 and "512" in resp.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"input": "hi", "dimensions": 128}, "dimensions"),
-    ({"input": ""}, "input"),
-    ({"input": []}, "input"),
-    ({"input": ["ok", ""]}, "input"),
-    ({"input": [[101, 102], []]}, "input"),
-    ({"input": [101, 99999, 102]}, "input"),
-    ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
-    ({"input": "hi", "truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
-    ({"input": ["hi"] * 129}, "input"),  # --max-request-fanout (128): one request, at most 128 vectors
-    ({"input": [[101, 102]] * 1000}, "input"),
-    ({"input": "hi", "request_id": "a b"}, "request_id"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"input": "hi", "dimensions": 128}, "dimensions"),
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": ["ok", ""]}, "input"),
+        ({"input": [[101, 102], []]}, "input"),
+        ({"input": [101, 99999, 102]}, "input"),
+        ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": "hi", "truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
+        ({"input": ["hi"] * 129}, "input"),  # --max-request-fanout (128): one request, at most 128 vectors
+        ({"input": [[101, 102]] * 1000}, "input"),
+        ({"input": "hi", "request_id": "a b"}, "request_id"),
+    ],
+)
 def test_bad_requests_are_400(server, body, param):
     r = post(server, **body)
     assert r.status_code == 400, r.text
@@ -150,8 +153,7 @@ def test_generation_endpoints_refuse_an_embedding_model(oai):
 
 
 def test_embeddings_refused_by_a_generate_model(tiny_llama_dir):
-    with serve(tiny_llama_dir, "--served-model-name", "tiny", "--num-kv-blocks", "64",
-               "--max-model-len", "128") as srv:
+    with serve(tiny_llama_dir, "--served-model-name", "tiny", "--num-kv-blocks", "64", "--max-model-len", "128") as srv:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
         with pytest.raises(openai.BadRequestError, match="generative model.*Embeddings API"):
             client.embeddings.create(model="tiny", input="hello")

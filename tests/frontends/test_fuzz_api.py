@@ -2,8 +2,9 @@
 
 Hypothesis mutates valid bodies of every POST route (fields replaced by arbitrary JSON of
 any type or by values around the server's size bounds, unknown fields added, random bytes,
-deep nesting) and sends them to a real `axonserve serve` started with small bounds. Every answer must be a 2xx or a 4xx carrying OpenAI error JSON; after
-the run the engine must be idle again (nothing running, no KV block held) and still serve.
+deep nesting) and sends them to a real `axonserve serve` started with small bounds. Every
+answer must be a 2xx or a 4xx carrying OpenAI error JSON; after the run the engine must be
+idle again (nothing running, no KV block held) and still serve.
 """
 
 from __future__ import annotations
@@ -28,24 +29,80 @@ BASES = {
     "/detokenize": {"model": "tiny", "tokens": [1, 2, 3]},
 }
 FIELDS = {  # fields worth attacking, per route (plus whatever the base has)
-    "/v1/completions": ["prompt", "n", "stop", "seed", "logprobs", "echo", "logit_bias", "temperature", "top_p",
-                        "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                        "max_tokens", "min_tokens", "ignore_eos", "stream", "stream_options", "stop_token_ids",
-                        "allowed_token_ids", "prompt_logprobs", "truncate_prompt_tokens", "user", "suffix",
-                        "request_id", "skip_special_tokens", "include_stop_str_in_output", "guided_regex",
-                        "guided_choice", "guided_json", "structured_outputs"],
-    "/v1/chat/completions": ["messages", "n", "stop", "seed", "logprobs", "top_logprobs", "logit_bias",
-                             "temperature", "max_tokens", "max_completion_tokens", "min_tokens", "stream",
-                             "stream_options", "add_generation_prompt", "continue_final_message",
-                             "chat_template_kwargs", "user", "response_format", "tools", "tool_choice",
-                             "chat_template", "request_id", "guided_grammar"],
-    "/tokenize": ["prompt", "messages", "add_special_tokens", "return_token_strs", "add_generation_prompt",
-                  "chat_template", "chat_template_kwargs"],
+    "/v1/completions": [
+        "prompt",
+        "n",
+        "stop",
+        "seed",
+        "logprobs",
+        "echo",
+        "logit_bias",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "max_tokens",
+        "min_tokens",
+        "ignore_eos",
+        "stream",
+        "stream_options",
+        "stop_token_ids",
+        "allowed_token_ids",
+        "prompt_logprobs",
+        "truncate_prompt_tokens",
+        "user",
+        "suffix",
+        "request_id",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+        "guided_regex",
+        "guided_choice",
+        "guided_json",
+        "structured_outputs",
+    ],
+    "/v1/chat/completions": [
+        "messages",
+        "n",
+        "stop",
+        "seed",
+        "logprobs",
+        "top_logprobs",
+        "logit_bias",
+        "temperature",
+        "max_tokens",
+        "max_completion_tokens",
+        "min_tokens",
+        "stream",
+        "stream_options",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template_kwargs",
+        "user",
+        "response_format",
+        "tools",
+        "tool_choice",
+        "chat_template",
+        "request_id",
+        "guided_grammar",
+    ],
+    "/tokenize": [
+        "prompt",
+        "messages",
+        "add_special_tokens",
+        "return_token_strs",
+        "add_generation_prompt",
+        "chat_template",
+        "chat_template_kwargs",
+    ],
     "/detokenize": ["tokens", "model"],
 }
 
 leaf = st.one_of(
-    st.none(), st.booleans(),
+    st.none(),
+    st.booleans(),
     st.integers(min_value=-(2**70), max_value=2**70),
     st.sampled_from([0, 1, -1, 2, 16, 255, 256, 4096, 49151, 49152, 2**31, 2**63, -(2**63) - 1]),
     st.floats(allow_nan=True, allow_infinity=True),
@@ -59,19 +116,36 @@ json_value = st.recursive(
 )
 # values around the server's bounds (see `server`): counts and lengths just under, at and over them
 SIZES = [0, 1, 3, 4, 5, 8, 9, 16, 17, 64, 129, 2049, 70_000]
-tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
-    {"name": st.text("abcdef", min_size=1, max_size=6), "parameters": st.just({"type": "object"})})})
+tool = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": st.text("abcdef", min_size=1, max_size=6), "parameters": st.just({"type": "object"})}
+        ),
+    }
+)
 oversized = st.one_of(
     st.builds(lambda n, c: c * n, st.sampled_from(SIZES), st.sampled_from(["a", "é", "{%", " ", "\n"])),
     st.builds(lambda n, x: [x] * n, st.sampled_from(SIZES[:-2]), st.one_of(st.text(max_size=4), st.integers(0, 9))),
     st.builds(lambda n: {str(i): 1.0 for i in range(n)}, st.sampled_from(SIZES[:-2])),
     st.builds(lambda n, t: [t] * n, st.sampled_from(SIZES[:-2]), tool),
-    st.sampled_from(["{% for i in range(99999) %}{% for j in range(99999) %}{{ j }}{% endfor %}{% endfor %}",
-                     "{{ messages }}", "{% set r = range(100000) %}{% for a in r %}{% for b in r %}{% endfor %}"
-                     "{% endfor %}", {"chat_template": "{{ 1 }}"}, {"tokenize": True}, {"x": "y"}]),
+    st.sampled_from(
+        [
+            "{% for i in range(99999) %}{% for j in range(99999) %}{{ j }}{% endfor %}{% endfor %}",
+            "{{ messages }}",
+            "{% set r = range(100000) %}{% for a in r %}{% for b in r %}{% endfor %}{% endfor %}",
+            {"chat_template": "{{ 1 }}"},
+            {"tokenize": True},
+            {"x": "y"},
+        ]
+    ),
 )
-message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", "x"]),
-                                 "content": st.one_of(st.text(max_size=20), json_value)})
+message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "assistant", "system", "tool", "x"]),
+        "content": st.one_of(st.text(max_size=20), json_value),
+    }
+)
 
 
 @st.composite
@@ -100,11 +174,37 @@ def bodies(draw) -> tuple[str, bytes]:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    args = ("--max-num-seqs", "8", "--max-model-len", "256", "--num-kv-blocks", "128", "--served-model-name", "tiny",
-            "--max-request-fanout", "8", "--max-stop-strings", "4", "--max-stop-string-chars", "16",
-            "--max-logit-bias", "16", "--max-tools", "4", "--max-structured-output-bytes", "2048",
-            "--max-request-id-chars", "16", "--max-waiting", "16", "--max-waiting-tokens", "2048",
-            "--trust-request-chat-template", "--chat-template-timeout", "2")
+    args = (
+        "--max-num-seqs",
+        "8",
+        "--max-model-len",
+        "256",
+        "--num-kv-blocks",
+        "128",
+        "--served-model-name",
+        "tiny",
+        "--max-request-fanout",
+        "8",
+        "--max-stop-strings",
+        "4",
+        "--max-stop-string-chars",
+        "16",
+        "--max-logit-bias",
+        "16",
+        "--max-tools",
+        "4",
+        "--max-structured-output-bytes",
+        "2048",
+        "--max-request-id-chars",
+        "16",
+        "--max-waiting",
+        "16",
+        "--max-waiting-tokens",
+        "2048",
+        "--trust-request-chat-template",
+        "--chat-template-timeout",
+        "2",
+    )
     with serve(tiny_llama_dir, *args) as srv:
         yield srv
 
@@ -124,8 +224,9 @@ def _check(resp: httpx.Response, route: str, body: bytes) -> None:
 def test_no_body_gets_a_5xx_or_sticks(server):
     with httpx.Client(base_url=server.base_url, timeout=60) as http:
 
-        @settings(max_examples=300, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=300, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+        )
         @given(bodies())
         def probe(case: tuple[str, bytes]) -> None:
             route, body = case
@@ -141,8 +242,11 @@ def test_no_body_gets_a_5xx_or_sticks(server):
             return float(m.group(1))
 
         deadline = time.monotonic() + 30
-        while metric("vllm:num_requests_running") or metric("vllm:num_requests_waiting") \
-                or metric("vllm:kv_cache_usage_perc"):
+        while (
+            metric("vllm:num_requests_running")
+            or metric("vllm:num_requests_waiting")
+            or metric("vllm:kv_cache_usage_perc")
+        ):
             assert time.monotonic() < deadline, "requests or KV blocks left behind after the fuzz run"
             time.sleep(0.2)
         r = http.post("/v1/completions", json={"model": "tiny", "prompt": "still alive", "max_tokens": 2})

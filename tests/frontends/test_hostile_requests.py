@@ -28,14 +28,26 @@ KEY = "sk-hostile"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 FAST_S = 5.0  # "within seconds": a refusal never waits for the engine or a render to finish
 # a Jinja template that would run for hours: nested loops over a range bound once
-RUNAWAY = ("{% set r = range(100000) %}{% for a in r %}{% for b in r %}{% for c in r %}{{ c }}"
-           "{% endfor %}{% endfor %}{% endfor %}")
+RUNAWAY = (
+    "{% set r = range(100000) %}{% for a in r %}{% for b in r %}{% for c in r %}{{ c }}"
+    "{% endfor %}{% endfor %}{% endfor %}"
+)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    args = ("--max-num-seqs", "8", "--max-model-len", "2048", "--num-kv-blocks", "512", "--served-model-name", "tiny",
-            "--api-key", KEY)
+    args = (
+        "--max-num-seqs",
+        "8",
+        "--max-model-len",
+        "2048",
+        "--num-kv-blocks",
+        "512",
+        "--served-model-name",
+        "tiny",
+        "--api-key",
+        KEY,
+    )
     with serve(tiny_llama_dir, *args) as srv:
         yield srv
 
@@ -56,8 +68,15 @@ class Background:
         self.thread.start()
 
     def _run(self) -> None:
-        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": self.max_tokens, "ignore_eos": True,
-                "temperature": 0, "stream": True, "logprobs": 0}
+        body = {
+            "model": "tiny",
+            "prompt": "Once upon a time",
+            "max_tokens": self.max_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+            "logprobs": 0,
+        }
         try:
             with httpx.stream("POST", self.base_url + "/v1/completions", json=body, headers=AUTH, timeout=120) as r:
                 for line in r.iter_lines():
@@ -112,15 +131,23 @@ def metric(base_url: str, name: str, **labels: str) -> float:
 def test_request_chat_templates_are_refused(server, http):
     bg = Background(server.base_url)
     refused(http, "/v1/chat/completions", chat(chat_template=RUNAWAY), "chat_template")
-    refused(http, "/v1/chat/completions", chat(chat_template_kwargs={"chat_template": RUNAWAY}),
-            "chat_template_kwargs.chat_template")
+    refused(
+        http,
+        "/v1/chat/completions",
+        chat(chat_template_kwargs={"chat_template": RUNAWAY}),
+        "chat_template_kwargs.chat_template",
+    )
     for key in ("tokenize", "add_generation_prompt", "messages", "tools", "return_dict", "_private"):
         refused(http, "/v1/chat/completions", chat(chat_template_kwargs={key: True}), f"chat_template_kwargs.{key}")
     tok = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
     assert httpx.post(server.base_url + "/tokenize", json=tok).status_code == 401  # behind the key now
     refused(http, "/tokenize", {**tok, "chat_template": RUNAWAY}, "chat_template")
-    refused(http, "/tokenize", {**tok, "chat_template_kwargs": {"chat_template": RUNAWAY}},
-            "chat_template_kwargs.chat_template")
+    refused(
+        http,
+        "/tokenize",
+        {**tok, "chat_template_kwargs": {"chat_template": RUNAWAY}},
+        "chat_template_kwargs.chat_template",
+    )
     # template variables are still welcome
     r = http.post("/v1/chat/completions", json=chat(chat_template_kwargs={"enable_thinking": False}))
     assert r.status_code == 200, r.text
@@ -144,15 +171,23 @@ def test_fanout_and_size_bounds(server, http):
     refused(http, "/v1/completions", completion(stop_token_ids=list(range(1025))), "stop_token_ids")
     refused(http, "/v1/completions", completion(guided_regex="a" * 70_000), "guided_regex")
     schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}
-    refused(http, "/v1/chat/completions", chat(response_format={"type": "json_schema",
-                                                                "json_schema": {"name": "x", "schema": schema}}),
-            "response_format")
+    refused(
+        http,
+        "/v1/chat/completions",
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}),
+        "response_format",
+    )
     refused(http, "/v1/completions", completion(guided_choice=["c" * 100] * 1000), "guided_choice")
     tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}} for i in range(129)]
     refused(http, "/v1/chat/completions", chat(tools=tools), "tools")
     # at the bounds: accepted
-    ok = completion(prompt=["hi"] * 2, n=64, request_id="ok-id_1.2:3", stop=[f"s{i}" for i in range(16)],
-                    logit_bias={str(i): 0.5 for i in range(1024)})
+    ok = completion(
+        prompt=["hi"] * 2,
+        n=64,
+        request_id="ok-id_1.2:3",
+        stop=[f"s{i}" for i in range(16)],
+        logit_bias={str(i): 0.5 for i in range(1024)},
+    )
     r = http.post("/v1/completions", json=ok)
     assert r.status_code == 200 and len(r.json()["choices"]) == 128 and r.json()["id"] == "ok-id_1.2:3", r.text[:300]
     bg.check()
@@ -171,8 +206,10 @@ def test_reused_request_id_after_abort(server, http):
             chunks += line.startswith("data: {")
             if chunks >= 3:
                 break  # leaving the block closes the connection: the request is aborted
-    again = http.post("/v1/completions", json=completion(prompt="Tell me a story", max_tokens=20, ignore_eos=True,
-                                                          request_id="reuse-me", temperature=0))
+    again = http.post(
+        "/v1/completions",
+        json=completion(prompt="Tell me a story", max_tokens=20, ignore_eos=True, request_id="reuse-me", temperature=0),
+    )
     assert again.status_code == 200, again.text
     out = again.json()
     assert out["id"] == "reuse-me" and out["choices"][0]["finish_reason"] == "length"
@@ -189,19 +226,41 @@ def test_runaway_request_template_is_stopped(tiny_llama_dir):
     """With --trust-request-chat-template a request may bring a template; one that would run for
     hours is stopped at --chat-template-timeout (400), its thread stops too, and a concurrent
     stream keeps going."""
-    args = ("--max-model-len", "2048", "--num-kv-blocks", "256", "--served-model-name", "tiny",
-            "--api-key", KEY, "--trust-request-chat-template", "--chat-template-timeout", "1")
+    args = (
+        "--max-model-len",
+        "2048",
+        "--num-kv-blocks",
+        "256",
+        "--served-model-name",
+        "tiny",
+        "--api-key",
+        KEY,
+        "--trust-request-chat-template",
+        "--chat-template-timeout",
+        "1",
+    )
     with serve(tiny_llama_dir, *args) as srv, httpx.Client(base_url=srv.base_url, headers=AUTH, timeout=60) as http:
         bg = Background(srv.base_url, max_tokens=300)
         for body in (chat(chat_template=RUNAWAY), chat(chat_template_kwargs={"chat_template": RUNAWAY})):
             err = refused(http, "/v1/chat/completions", body, "messages")
             assert "chat template" in err["message"]
         big = "{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}"  # 10 GB of output
-        refused(http, "/tokenize", {"model": "tiny", "messages": [{"role": "user", "content": "a"}],
-                                    "chat_template": big}, "messages")
+        refused(
+            http,
+            "/tokenize",
+            {"model": "tiny", "messages": [{"role": "user", "content": "a"}], "chat_template": big},
+            "messages",
+        )
         own = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
-        r = http.post("/tokenize", json={"model": "tiny", "messages": [{"role": "user", "content": "hey"}],
-                                         "chat_template": own, "add_special_tokens": False})
+        r = http.post(
+            "/tokenize",
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hey"}],
+                "chat_template": own,
+                "add_special_tokens": False,
+            },
+        )
         assert r.status_code == 200
         assert http.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"] == "<user>hey"
         bg.check()
@@ -219,8 +278,9 @@ def _raw_post(base_url: str, path: str, body: dict):
     client goes away) whatever the server has answered."""
     host, port = base_url.removeprefix("http://").split(":")
     data = json.dumps(body).encode()
-    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n\r\n").encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    ).encode()
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(head + data)
         yield sock
@@ -249,8 +309,20 @@ def test_queue_bounds_disconnects_and_deadlines(smollm2_dir):
     """SmolLM2 (slow enough to queue behind): the queue's prompt-token bound refuses a request at
     once; a streaming client that leaves while queued has its request aborted before its prompt
     is computed; --request-timeout ends a long request with a 408 and frees its KV blocks."""
-    args = ("--max-num-seqs", "1", "--max-model-len", "2048", "--num-kv-blocks", "256",
-            "--max-waiting-tokens", "600", "--request-timeout", "12", "--served-model-name", "smol")
+    args = (
+        "--max-num-seqs",
+        "1",
+        "--max-model-len",
+        "2048",
+        "--num-kv-blocks",
+        "256",
+        "--max-waiting-tokens",
+        "600",
+        "--request-timeout",
+        "12",
+        "--served-model-name",
+        "smol",
+    )
     long_prompt = " ".join(["word"] * 400)
     with serve(smollm2_dir, *args) as srv, httpx.Client(base_url=srv.base_url, timeout=60) as http:
         body = {"model": "smol", "prompt": "Count:", "max_tokens": 80, "ignore_eos": True, "temperature": 0}

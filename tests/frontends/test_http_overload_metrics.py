@@ -14,14 +14,19 @@ from frontends.server import serve
 
 @pytest.mark.timeout(180)
 async def test_overload_gets_503_while_admitted_requests_complete(tiny_llama_dir):
-    with serve(tiny_llama_dir, "--num-kv-blocks", "256", "--max-num-seqs", "1",
-               "--max-waiting", "1") as srv:
+    with serve(tiny_llama_dir, "--num-kv-blocks", "256", "--max-num-seqs", "1", "--max-waiting", "1") as srv:
         async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as http:
 
             async def one(stream: bool) -> tuple[int, float, str]:
                 t0 = time.monotonic()
-                body = {"model": tiny_llama_dir, "prompt": "hello", "max_tokens": 150,
-                        "ignore_eos": True, "temperature": 0, "stream": stream}
+                body = {
+                    "model": tiny_llama_dir,
+                    "prompt": "hello",
+                    "max_tokens": 150,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                    "stream": stream,
+                }
                 if stream:
                     async with http.stream("POST", "/v1/completions", json=body) as r:
                         text = (await r.aread()).decode()
@@ -45,8 +50,9 @@ async def test_overload_gets_503_while_admitted_requests_complete(tiny_llama_dir
 def test_metrics_route_serves_prometheus_text(tiny_llama_dir):
     with serve(tiny_llama_dir, "--num-kv-blocks", "64", "--served-model-name", "tiny") as srv:
         with httpx.Client(base_url=srv.base_url, timeout=30) as http:
-            r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 5,
-                                                  "ignore_eos": True})
+            r = http.post(
+                "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 5, "ignore_eos": True}
+            )
             assert r.status_code == 200
             deadline = time.monotonic() + 10
             while True:
@@ -63,8 +69,7 @@ def test_metrics_route_serves_prometheus_text(tiny_llama_dir):
 def test_one_json_access_log_line_per_request(tiny_llama_dir):
     import json
 
-    with serve(tiny_llama_dir, "--num-kv-blocks", "64", "--served-model-name", "tiny",
-               "--log-format", "json") as srv:
+    with serve(tiny_llama_dir, "--num-kv-blocks", "64", "--served-model-name", "tiny", "--log-format", "json") as srv:
         with httpx.Client(base_url=srv.base_url, timeout=30) as http:
             body = {"model": "tiny", "prompt": "hi", "max_tokens": 6, "ignore_eos": True}
             assert http.post("/v1/completions", json=body).status_code == 200

@@ -30,8 +30,12 @@ def test_llm_embed_matches_transformers():
     assert [o.prompt for o in outs] == TEXTS and outs[1].prompt_token_ids == tok.encode(TEXTS[1])
     assert outs[0].outputs.hidden_size == 384
     torch.testing.assert_close(torch.tensor([o.outputs.embedding for o in by_ids]), got[:2], atol=1e-6, rtol=0)
-    torch.testing.assert_close(torch.tensor(raw[0].outputs.embedding),
-                               st_embed(minilm_dir(), TEXTS[1:2], normalize=False)[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(raw[0].outputs.embedding),
+        st_embed(minilm_dir(), TEXTS[1:2], normalize=False)[0],
+        atol=1e-5,
+        rtol=0,
+    )
 
 
 def test_llm_refuses_a_task_the_model_cannot_serve():

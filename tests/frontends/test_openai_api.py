@@ -30,9 +30,22 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    args = ("--max-num-seqs", "16", "--max-model-len", str(MAX_LEN), "--num-kv-blocks", "256",
-            "--served-model-name", "tiny", "--api-key", KEY,
-            "--max-request-body-bytes", str(BODY_LIMIT), "--allowed-origins", f'["{ORIGIN}"]')
+    args = (
+        "--max-num-seqs",
+        "16",
+        "--max-model-len",
+        str(MAX_LEN),
+        "--num-kv-blocks",
+        "256",
+        "--served-model-name",
+        "tiny",
+        "--api-key",
+        KEY,
+        "--max-request-body-bytes",
+        str(BODY_LIMIT),
+        "--allowed-origins",
+        f'["{ORIGIN}"]',
+    )
     with serve(tiny_llama_dir, *args) as srv:
         yield srv
 
@@ -75,8 +88,9 @@ def _token_text(http: httpx.Client, tid: int) -> str:
 
 
 def test_logit_bias_forces_a_token(oai, http):
-    r = oai.completions.create(model="tiny", prompt="Hello", max_tokens=5, temperature=0,
-                               logit_bias={"1234": 100}, logprobs=0)
+    r = oai.completions.create(
+        model="tiny", prompt="Hello", max_tokens=5, temperature=0, logit_bias={"1234": 100}, logprobs=0
+    )
     assert set(r.choices[0].logprobs.tokens) == {_token_text(http, 1234)}
 
 
@@ -90,8 +104,18 @@ def test_logit_bias_rejects_bad_ids_and_values(http):
 
 def test_allowed_token_ids_limit_sampling(http):
     allowed = [300, 301, 302]
-    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 8, "temperature": 1.0,
-                                           "seed": 3, "allowed_token_ids": allowed, "logprobs": 0})
+    r = http.post(
+        "/v1/completions",
+        json={
+            "model": "tiny",
+            "prompt": "a",
+            "max_tokens": 8,
+            "temperature": 1.0,
+            "seed": 3,
+            "allowed_token_ids": allowed,
+            "logprobs": 0,
+        },
+    )
     assert r.status_code == 200, r.text
     assert set(r.json()["choices"][0]["logprobs"]["tokens"]) <= {_token_text(http, t) for t in allowed}
 
@@ -100,8 +124,9 @@ def test_echo_returns_prompt_then_completion(oai):
     plain = oai.completions.create(model="tiny", prompt="The sky is", max_tokens=6, temperature=0)
     echo = oai.completions.create(model="tiny", prompt="The sky is", max_tokens=6, temperature=0, echo=True)
     assert echo.choices[0].text == "The sky is" + plain.choices[0].text
-    chunks = oai.completions.create(model="tiny", prompt="The sky is", max_tokens=6, temperature=0,
-                                    echo=True, stream=True)
+    chunks = oai.completions.create(
+        model="tiny", prompt="The sky is", max_tokens=6, temperature=0, echo=True, stream=True
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == echo.choices[0].text
 
 
@@ -139,15 +164,19 @@ def test_prompt_logprobs_extension_and_prefix_cache(http, hf_tiny):
         got = [pl[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
         assert got == pytest.approx([ref[i - 1, ids[i]].item() for i in range(1, len(ids))], abs=2e-3)
         assert all(len(e) >= 2 for e in pl[1:])
-    chat = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                                                   "max_tokens": 2, "prompt_logprobs": 0})
+    chat = http.post(
+        "/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0},
+    )
     pl = chat.json()["prompt_logprobs"]
     assert pl[0] is None and len(pl) == chat.json()["usage"]["prompt_tokens"]
 
 
 def test_truncate_prompt_tokens(http):
-    r = http.post("/v1/completions", json={"model": "tiny", "prompt": list(range(100, 400)), "max_tokens": 2,
-                                           "truncate_prompt_tokens": 50})
+    r = http.post(
+        "/v1/completions",
+        json={"model": "tiny", "prompt": list(range(100, 400)), "max_tokens": 2, "truncate_prompt_tokens": 50},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == 50
 
@@ -155,18 +184,28 @@ def test_truncate_prompt_tokens(http):
 def test_unknown_parameter_is_400_naming_it(oai, http):
     with pytest.raises(openai.BadRequestError, match="frobnicate"):
         oai.completions.create(model="tiny", prompt="a", max_tokens=2, extra_body={"frobnicate": 1})
-    err = _error(http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2, "best_of": 3,
-                                                         "messages": [{"role": "user", "content": "x"}]}), 400)
+    err = _error(
+        http.post(
+            "/v1/chat/completions",
+            json={"model": "tiny", "max_tokens": 2, "best_of": 3, "messages": [{"role": "user", "content": "x"}]},
+        ),
+        400,
+    )
     assert err["param"] == "best_of"
     # fields that do not change the output are accepted, as OpenAI's server does
-    r = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
-                                    user="u1", metadata={"a": "b"}, store=False)
+    r = oai.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=2,
+        user="u1",
+        metadata={"a": "b"},
+        store=False,
+    )
     assert r.choices[0].message.content is not None
 
 
 def test_n_is_bounded(http):
-    err = _error(http.post("/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 1, "n": 100000}),
-                 400)
+    err = _error(http.post("/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 1, "n": 100000}), 400)
     assert err["param"] == "n"
 
 
@@ -176,8 +215,9 @@ def test_n_is_bounded(http):
 def test_tokenize_detokenize_roundtrip(http, oai):
     t = http.post("/tokenize", json={"model": "tiny", "prompt": "Hello world", "return_token_strs": True}).json()
     assert t["count"] == len(t["tokens"]) == len(t["token_strs"]) and t["max_model_len"] == MAX_LEN
-    assert http.post("/detokenize", json={"model": "tiny", "tokens": t["tokens"]}).json()["prompt"].endswith(
-        "Hello world")
+    assert (
+        http.post("/detokenize", json={"model": "tiny", "tokens": t["tokens"]}).json()["prompt"].endswith("Hello world")
+    )
     msgs = [{"role": "user", "content": "What is 2+2?"}]
     chat_ids = http.post("/tokenize", json={"messages": msgs}).json()
     r = oai.chat.completions.create(model="tiny", messages=msgs, max_tokens=1)
@@ -190,10 +230,19 @@ def test_tokenize_detokenize_roundtrip(http, oai):
 def test_openapi_describes_every_route(server):
     spec = httpx.get(server.base_url + "/openapi.json").json()
     paths = spec["paths"]
-    for path, method in [("/v1/completions", "post"), ("/v1/chat/completions", "post"), ("/v1/models", "get"),
-                         ("/tokenize", "post"), ("/detokenize", "post"), ("/health", "get"),
-                         ("/version", "get"), ("/metrics", "get"), ("/v1/embeddings", "post"),
-                         ("/start_profile", "post"), ("/stop_profile", "post")]:
+    for path, method in [
+        ("/v1/completions", "post"),
+        ("/v1/chat/completions", "post"),
+        ("/v1/models", "get"),
+        ("/tokenize", "post"),
+        ("/detokenize", "post"),
+        ("/health", "get"),
+        ("/version", "get"),
+        ("/metrics", "get"),
+        ("/v1/embeddings", "post"),
+        ("/start_profile", "post"),
+        ("/stop_profile", "post"),
+    ]:
         assert method in paths.get(path, {}), f"{method.upper()} {path} missing from /openapi.json"
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"):
         assert "requestBody" in paths[path]["post"], f"POST {path} has no request body schema"
@@ -207,8 +256,14 @@ def test_openapi_describes_every_route(server):
 
 def test_api_key_guards_every_route_but_the_probes(server):
     base = server.base_url
-    for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-                         ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/start_profile")]:
+    for method, path in [
+        ("GET", "/v1/models"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+        ("POST", "/start_profile"),
+    ]:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             err = _error(httpx.request(method, base + path, headers=headers, json={}), 401)
             assert err["type"] == "AuthenticationError"
@@ -235,8 +290,11 @@ def test_body_limit_is_413(http):
 
 
 def test_cors(server):
-    pre = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-           "Access-Control-Request-Headers": "authorization,content-type"}
+    pre = {
+        "Origin": ORIGIN,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
     r = httpx.options(server.base_url + "/v1/chat/completions", headers=pre)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
     r = httpx.options(server.base_url + "/v1/chat/completions", headers={**pre, "Origin": "http://evil.example"})
@@ -259,8 +317,10 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server, http):
                     _wait(lambda: _metric(http, "vllm:num_requests_running") == 1, "request running")
                     assert _metric(http, "vllm:kv_cache_usage_perc") > 0
                     break
-    _wait(lambda: _metric(http, "vllm:num_requests_running") == 0 and _metric(http, "vllm:kv_cache_usage_perc") == 0,
-          "aborted request to release its KV blocks")
+    _wait(
+        lambda: _metric(http, "vllm:num_requests_running") == 0 and _metric(http, "vllm:kv_cache_usage_perc") == 0,
+        "aborted request to release its KV blocks",
+    )
     assert http.post("/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 2}).status_code == 200
 
 
@@ -273,6 +333,12 @@ def _wait(cond, what: str, timeout: float = 30.0) -> None:
 
 def test_image_parts_to_a_text_only_model_are_400(http):
     img = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
-    r = http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2, "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "What is this?"}, img]}]})
+    r = http.post(
+        "/v1/chat/completions",
+        json={
+            "model": "tiny",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, img]}],
+        },
+    )
     assert "does not accept images" in _error(r, 400)["message"]

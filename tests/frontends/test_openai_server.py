@@ -21,8 +21,16 @@ MAX_LEN = 256
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    args = ("--max-num-seqs", "16", "--max-model-len", str(MAX_LEN), "--num-kv-blocks", "512",
-            "--served-model-name", "tiny")
+    args = (
+        "--max-num-seqs",
+        "16",
+        "--max-model-len",
+        str(MAX_LEN),
+        "--num-kv-blocks",
+        "512",
+        "--served-model-name",
+        "tiny",
+    )
     with serve(tiny_llama_dir, *args) as srv:
         yield srv
 
@@ -73,12 +81,14 @@ def test_completion_streaming_matches_non_streaming(oai):
 
 def test_chat_non_streaming_and_streaming(oai):
     msgs = [{"role": "user", "content": "Say hi"}]
-    r = oai.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    r = oai.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
-    stream = oai.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0,
-                                         stream=True, extra_body={"ignore_eos": True})
+    stream = oai.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
@@ -87,8 +97,11 @@ def test_chat_non_streaming_and_streaming(oai):
 
 
 def test_usage_chunk_with_include_usage(oai):
-    chunks = list(complete(oai, max_tokens=5, stream=True, stream_options={"include_usage": True},
-                           extra_body={"ignore_eos": True}))
+    chunks = list(
+        complete(
+            oai, max_tokens=5, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
+        )
+    )
     last = chunks[-1]
     assert last.choices == [] and last.usage.completion_tokens == 5
     assert last.usage.total_tokens == last.usage.prompt_tokens + 5
@@ -102,8 +115,9 @@ def test_max_tokens_length(oai):
 
 
 def test_chat_max_tokens_none_fills_context(oai):
-    r = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                    temperature=0, extra_body={"ignore_eos": True})
+    r = oai.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].finish_reason == "length"
     assert r.usage.total_tokens == MAX_LEN
 
@@ -173,18 +187,29 @@ def test_logprobs(oai):
     assert len(lp.tokens) == len(lp.token_logprobs) == 4
     assert all(v <= 0 for v in lp.token_logprobs)
     assert all(len(t) >= 1 for t in lp.top_logprobs)
-    c = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                    max_tokens=3, logprobs=True, top_logprobs=2,
-                                    extra_body={"ignore_eos": True})
+    c = oai.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     content = c.choices[0].logprobs.content
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
 
 
 async def test_16_concurrent_streams(aoai):
     async def one(i: int) -> tuple[str, str | None]:
-        stream = await aoai.completions.create(model="tiny", prompt=f"Story number {i}:", max_tokens=16,
-                                               temperature=0.8, seed=i, stream=True,
-                                               extra_body={"ignore_eos": True})
+        stream = await aoai.completions.create(
+            model="tiny",
+            prompt=f"Story number {i}:",
+            max_tokens=16,
+            temperature=0.8,
+            seed=i,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         text, finish = "", None
         async for ch in stream:
             text += ch.choices[0].text
@@ -220,8 +245,14 @@ async def test_request_id_in_flight_is_400(server):
     """vLLM's `request_id` extension: reusing an id still in flight is refused (400, param
     request_id) and the running request goes on."""
     async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as h:
-        body = {"model": "tiny", "prompt": "go", "max_tokens": MAX_LEN - 8, "stream": True, "ignore_eos": True,
-                "request_id": "dup-1"}
+        body = {
+            "model": "tiny",
+            "prompt": "go",
+            "max_tokens": MAX_LEN - 8,
+            "stream": True,
+            "ignore_eos": True,
+            "request_id": "dup-1",
+        }
         async with h.stream("POST", "/v1/completions", json=body) as resp:
             lines = resp.aiter_lines()
             async for line in lines:
@@ -231,14 +262,15 @@ async def test_request_id_in_flight_is_400(server):
             assert _error(again, 400)["param"] == "request_id"
             rest = [line async for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]"
-        assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+        assert json.loads(rest[-2][len("data: ") :])["choices"][0]["finish_reason"] == "length"
         ok = await h.post("/v1/completions", json={**body, "stream": False, "max_tokens": 2})
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
 
 
 def test_bad_json_is_400(server):
-    r = httpx.post(server.base_url + "/v1/completions", content=b"{not json",
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        server.base_url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert "JSON" in _error(r, 400)["message"]
 
 

@@ -46,8 +46,9 @@ def tok(smollm2_dir) -> CountingTokenizer:
 
 def body_ids(tok: Tokenizer, n: int) -> list[int]:
     """n tokens of varied text (multi-byte characters included) holding no stop string."""
-    text = "".join(f"Paragraph {i}: the quick brown fox — café, 中文, 😀 — jumps over {i * 7} dogs.\n"
-                   for i in range(n // 10))
+    text = "".join(
+        f"Paragraph {i}: the quick brown fox — café, 中文, 😀 — jumps over {i * 7} dogs.\n" for i in range(n // 10)
+    )
     ids = tok.hf.encode(text, add_special_tokens=False)
     assert len(ids) >= n
     return ids[:n]
@@ -98,18 +99,19 @@ def hermes_output(tok: Tokenizer) -> str:
     i = 0
     while len(tok.hf.encode("".join(calls), add_special_tokens=False)) < N + 100:
         args = {"city": f"Paris-{i}", "days": i % 7 + 1, "note": 'a}"b{ ' * (i % 3), "tags": [i, "x"]}
-        calls.append(f'<tool_call>\n{json.dumps({"name": "get_weather", "arguments": args})}\n</tool_call>\n')
+        calls.append(f"<tool_call>\n{json.dumps({'name': 'get_weather', 'arguments': args})}\n</tool_call>\n")
         i += 50
     return "Let me check a few cities.\n" + "".join(calls)
 
 
 def llama3_output(tok: Tokenizer) -> str:
-    lines = [f"line {i}: {'x' * (i % 13)} \"quoted\" {{brace}}" for i in range(N // 16)]
+    lines = [f'line {i}: {"x" * (i % 13)} "quoted" {{brace}}' for i in range(N // 16)]
     return '<|python_tag|>{"name": "write_file", "parameters": {"path": "a.txt", "lines": ' + json.dumps(lines) + "}}"
 
 
-@pytest.mark.parametrize("parser,output,calls", [(HermesToolParser, hermes_output, "many"),
-                                                 (Llama3JsonToolParser, llama3_output, "one")])
+@pytest.mark.parametrize(
+    "parser,output,calls", [(HermesToolParser, hermes_output, "many"), (Llama3JsonToolParser, llama3_output, "one")]
+)
 def test_tool_call_stream_work_per_token_is_constant(tok, parser, output, calls):
     """Through the detokenizer into the tool formatter, token by token: many calls, or one huge call."""
     text = output(tok)
@@ -132,7 +134,9 @@ def test_tool_call_stream_work_per_token_is_constant(tok, parser, output, calls)
     assert reason == "tool_calls"
     w_content, w_calls, _ = ToolCallFormatter(parser()).message(text, "stop")
     assert (content or None, [tuple(v) for _, v in sorted(got.items())]) == (
-        w_content, [(c.function.name, c.function.arguments) for c in w_calls])
+        w_content,
+        [(c.function.name, c.function.arguments) for c in w_calls],
+    )
     assert len(got) > 20 if calls == "many" else len(got) == 1
     assert_linear(marks[N // 2], marks[N], 16, "chars scanned by the tool-call parser")
     # the scanner keeps only text it may still read or send (a possible partial tag, unsent
@@ -152,10 +156,16 @@ def long_model(tmp_path_factory, smollm2_dir) -> str:
 
 @pytest.mark.timeout(600)
 def test_server_streams_4000_tokens_with_stop_strings(long_model):
-    args = ("--max-num-seqs", "4", "--max-model-len", "4352", "--num-kv-blocks", "600",
-            "--served-model-name", "tiny")
-    kw = dict(model="tiny", prompt="The sky is", max_tokens=N, temperature=0, seed=3, stop=STOPS,
-              extra_body={"ignore_eos": True})
+    args = ("--max-num-seqs", "4", "--max-model-len", "4352", "--num-kv-blocks", "600", "--served-model-name", "tiny")
+    kw = dict(
+        model="tiny",
+        prompt="The sky is",
+        max_tokens=N,
+        temperature=0,
+        seed=3,
+        stop=STOPS,
+        extra_body={"ignore_eos": True},
+    )
     with serve(long_model, *args) as srv:
         oai = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
         whole = oai.completions.create(**kw)

@@ -49,16 +49,35 @@ Answer with <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"enum": ["Paris", "Rome", "Oslo"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city", "days"], "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {
-    "name": "get_time", "description": "Local time",
-    "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 5}},
-                   "required": ["tz"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Rome", "Oslo"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Local time",
+        "parameters": {
+            "type": "object",
+            "properties": {"tz": {"type": "string", "maxLength": 5}},
+            "required": ["tz"],
+            "additionalProperties": False,
+        },
+    },
+}
 TOOLS = [WEATHER, CLOCK]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -77,8 +96,19 @@ def model_dir(tmp_path_factory, smollm2_dir) -> str:
 
 @pytest.fixture(scope="module")
 def oai(model_dir):
-    args = ("--max-num-seqs", "16", "--max-model-len", "1024", "--num-kv-blocks", "512",
-            "--served-model-name", "tiny", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    args = (
+        "--max-num-seqs",
+        "16",
+        "--max-model-len",
+        "1024",
+        "--num-kv-blocks",
+        "512",
+        "--served-model-name",
+        "tiny",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+    )
     with serve(model_dir, *args) as srv:
         yield openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -119,13 +149,23 @@ def assert_valid_calls(calls: list[tuple[str, str]]):
 
 def test_template_renders_tools_and_tool_messages(model_dir):
     tok = Tokenizer.load(model_dir)
-    convo = template_messages([
-        *MSGS,
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
-                                                             "arguments": '{"city": "Paris", "days": 1}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
-    ])
+    convo = template_messages(
+        [
+            *MSGS,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+        ]
+    )
     text = tok.render_chat(convo, tools=TOOLS)
     assert '"name": "get_weather"' in text and "Current weather in a city" in text
     assert '{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}' in text
@@ -153,7 +193,10 @@ def test_required_tool_choice_many_seeds(oai):
 
 
 def test_auto_tool_choice_through_the_hermes_parser(oai):
-    forced = r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)", "days": [1-7]\}\}\n</tool_call>'
+    forced = (
+        r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)", '
+        r'"days": [1-7]\}\}\n</tool_call>'
+    )
     kw = {"tool_choice": "auto", "temperature": 1.0, "seed": 11, "extra_body": {"guided_regex": forced}}
     c = chat(oai, **kw).choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content == "Checking.\n"
@@ -167,15 +210,24 @@ def test_auto_tool_choice_through_the_hermes_parser(oai):
 def test_tool_choice_none_and_a_conversation_with_tool_results(oai):
     convo = [
         *MSGS,
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
-                                                             "arguments": '{"city": "Paris", "days": 1}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
     c = chat(oai, messages=convo, tool_choice="none", max_tokens=8, extra_body={"ignore_eos": True}).choices[0]
     assert c.message.tool_calls is None and c.finish_reason == "length" and c.message.content
-    none_stream = reassemble(chat(oai, messages=convo, tool_choice="none", max_tokens=8, stream=True,
-                                  extra_body={"ignore_eos": True}))
+    none_stream = reassemble(
+        chat(oai, messages=convo, tool_choice="none", max_tokens=8, stream=True, extra_body={"ignore_eos": True})
+    )
     assert none_stream == (c.message.content, [], "length")
 
 

@@ -26,9 +26,14 @@ from axonserve.frontends.openai.tools import (
 )
 from axonserve.protocol.messages import ParamError
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 
 
@@ -77,8 +82,10 @@ def assert_stream_equals_whole(parser_factory, text: str, finish: str = "stop"):
 # --------------------------------------------------------------------------- hermes
 
 HERMES_ONE = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-HERMES_TWO = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "note": "a}\\"b{"}}\n'
-              '</tool_call>\n<tool_call>\n{"arguments": {}, "name": "get_time"}\n</tool_call>')
+HERMES_TWO = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "note": "a}\\"b{"}}\n'
+    '</tool_call>\n<tool_call>\n{"arguments": {}, "name": "get_time"}\n</tool_call>'
+)
 
 
 def test_hermes_one_call_with_content():
@@ -122,7 +129,9 @@ def test_hermes_plain_text_and_malformed_calls_are_content():
 
 
 def test_llama3_json_calls():
-    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {}}'
+    text = (
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {}}'
+    )
     content, calls, reason = assert_stream_equals_whole(Llama3JsonToolParser, text)
     assert content is None and reason == "tool_calls"
     assert calls == [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]
@@ -131,11 +140,14 @@ def test_llama3_json_calls():
 
 
 def test_llama3_json_content():
-    for text in ("The weather is fine.", '{"answer": 42}', "   ", '<|python_tag|>'):
+    for text in ("The weather is fine.", '{"answer": 42}', "   ", "<|python_tag|>"):
         content, calls, reason = assert_stream_equals_whole(Llama3JsonToolParser, text)
         assert (content, calls, reason) == (text, [], "stop")
     assert whole(Llama3JsonToolParser(), '{"name": "f", "parameters": {"a": 1}} and so on') == (
-        None, [("f", '{"a": 1}')], "tool_calls")
+        None,
+        [("f", '{"a": 1}')],
+        "tool_calls",
+    )
 
 
 # --------------------------------------------------------------------------- required / named
@@ -194,24 +206,41 @@ def test_plan_tool_choice_rules():
 
 def test_required_schema_accepts_exactly_the_tool_calls():
     jsonschema = pytest.importorskip("jsonschema")
-    defs_tool = {"type": "function", "function": {"name": "put", "parameters": {
-        "type": "object", "properties": {"item": {"$ref": "#/$defs/item"}}, "required": ["item"],
-        "$defs": {"item": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}}}
+    defs_tool = {
+        "type": "function",
+        "function": {
+            "name": "put",
+            "parameters": {
+                "type": "object",
+                "properties": {"item": {"$ref": "#/$defs/item"}},
+                "required": ["item"],
+                "$defs": {"item": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}},
+            },
+        },
+    }
     schema = required_schema(tools(WEATHER, defs_tool))
     assert "$defs" in schema and "$defs" not in json.dumps(schema["items"]).replace("#/$defs", "")
     ok = [{"name": "get_weather", "parameters": {"city": "x"}}, {"name": "put", "parameters": {"item": {"n": 1}}}]
     jsonschema.validate(ok, schema)
-    for bad in ([], [{"name": "get_time", "parameters": {}}], [{"name": "put", "parameters": {"item": {"n": "1"}}}],
-                [{"name": "get_weather", "parameters": {"city": "x"}, "extra": 1}]):
+    for bad in (
+        [],
+        [{"name": "get_time", "parameters": {}}],
+        [{"name": "put", "parameters": {"item": {"n": "1"}}}],
+        [{"name": "get_weather", "parameters": {"city": "x"}, "extra": 1}],
+    ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
 
 
 def test_template_messages_parse_assistant_arguments():
-    msgs = [{"role": "user", "content": "hi"},
-            {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
-                                                  "function": {"name": "f", "arguments": '{"a": 1}'}}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "42"}]
+    msgs = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+    ]
     out = template_messages(msgs)
     assert out[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1} and out[2] == msgs[2]
     assert msgs[1]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'  # input untouched

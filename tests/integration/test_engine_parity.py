@@ -9,17 +9,17 @@ import asyncio
 import random
 
 import pytest
+from conftest import hf_greedy
 
 from axonserve.actors.supervisor import Supervisor
 from axonserve.config import EngineConfig
 from axonserve.frontends.client import AsyncEngineClient
 from axonserve.protocol.messages import SamplingParams
 
-from conftest import hf_greedy
 
-
-async def run_staggered(config: EngineConfig, prompts: list[list[int]], n: int,
-                        stats: list | None = None) -> list[list[int]]:
+async def run_staggered(
+    config: EngineConfig, prompts: list[list[int]], n: int, stats: list | None = None
+) -> list[list[int]]:
     """Each prompt's n greedy tokens; `stats` (if given) gets the engine's EngineStats after."""
     sup = Supervisor(config, frontend=False)
     await sup.start()
@@ -35,9 +35,7 @@ async def run_staggered(config: EngineConfig, prompts: list[list[int]], n: int,
                 toks.extend(out.token_ids)
             return toks
 
-        got = await asyncio.wait_for(
-            asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))), 240
-        )
+        got = await asyncio.wait_for(asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))), 240)
         if stats is not None:
             stats.append(await client.get_stats())
         return got
@@ -69,16 +67,17 @@ async def test_tiny_llama_greedy_matches_transformers(tiny_llama_dir):
 @pytest.mark.timeout(600)
 async def test_smollm2_gguf_greedy_matches_transformers(smollm2_dir, hf_smollm2):
     model, tok = hf_smollm2
-    chats = ["What is the capital of France?", "Write a haiku about the sea.",
-             "Explain in one sentence what a CPU cache is."]
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True)
-        for c in chats
+    chats = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain in one sentence what a CPU cache is.",
     ]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True) for c in chats]
     prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
     prompts.append(tok.encode("The quick brown fox"))
-    config = EngineConfig(model=smollm2_dir, block_size=16, num_kv_blocks=256,
-                          max_num_batched_tokens=64, log_level="warning")
+    config = EngineConfig(
+        model=smollm2_dir, block_size=16, num_kv_blocks=256, max_num_batched_tokens=64, log_level="warning"
+    )
     got = await run_staggered(config, prompts, n=20)
     want = [hf_greedy(model, p, 20) for p in prompts]
     assert got == want

@@ -10,7 +10,6 @@ import time
 
 import httpx
 import pytest
-
 from frontends.server import health, serve
 
 
@@ -37,8 +36,10 @@ def stream_until_error(url: str, body: dict, fault, after: int = 5, read_timeout
     (None if the stream ended without one). The read timeout bounds detection: a hang that
     is never noticed fails the caller here."""
     chunks = 0
-    with (httpx.Client(timeout=httpx.Timeout(10, read=read_timeout)) as http,
-          http.stream("POST", url + "/v1/completions", json=body) as r):
+    with (
+        httpx.Client(timeout=httpx.Timeout(10, read=read_timeout)) as http,
+        http.stream("POST", url + "/v1/completions", json=body) as r,
+    ):
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -74,8 +75,14 @@ def wait_until(cond, timeout: float, what: str):
 def test_dead_actor_fails_requests_and_health(tiny_llama_dir, victim):
     with serve(tiny_llama_dir, "--num-kv-blocks", "512", "--max-model-len", "2048") as srv:
         sid = srv.proc.pid
-        body = {"model": tiny_llama_dir, "prompt": "Once upon a time", "max_tokens": 1900,
-                "ignore_eos": True, "temperature": 0, "stream": True}
+        body = {
+            "model": tiny_llama_dir,
+            "prompt": "Once upon a time",
+            "max_tokens": 1900,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
         t_kill = None
 
         def kill() -> None:
@@ -116,9 +123,23 @@ def test_sigterm_during_startup_is_a_clean_stop(tiny_llama_dir, tmp_path):
     from frontends.server import REPO, free_port, stop_group
 
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "axonserve.cli", "serve", tiny_llama_dir, "--port",
-                             str(free_port()), "--num-kv-blocks", "64"], cwd=REPO, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "axonserve.cli",
+            "serve",
+            tiny_llama_dir,
+            "--port",
+            str(free_port()),
+            "--num-kv-blocks",
+            "64",
+        ],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         wait_until(lambda: len(session_pids(proc.pid)) >= 3, 60, "actors to be spawned")
         proc.send_signal(signal.SIGTERM)
@@ -149,8 +170,13 @@ def test_step_longer_than_heartbeat_timeout_is_not_a_hang(smollm2_dir):
     from axonserve.frontends.offline import LLM
     from axonserve.protocol.messages import SamplingParams
 
-    config = EngineConfig(model=smollm2_dir, num_kv_blocks=160, max_num_batched_tokens=2048,
-                          heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0)
+    config = EngineConfig(
+        model=smollm2_dir,
+        num_kv_blocks=160,
+        max_num_batched_tokens=2048,
+        heartbeat_interval_s=0.1,
+        heartbeat_timeout_s=1.0,
+    )
     with LLM(config=config) as llm:
         prompt = list(range(1000, 3000))  # one 2000-token prefill step: seconds on 2 cores
         t0 = time.monotonic()
@@ -168,9 +194,25 @@ def test_worker_failing_at_load_is_reported_cleanly(tiny_llama_dir, tmp_path):
 
     from frontends.server import REPO
 
-    proc = subprocess.run([sys.executable, "-m", "axonserve.cli", "serve", tiny_llama_dir, "--port", "0",
-                           "--num-kv-blocks", "32", "-tp", "3"], cwd=REPO, capture_output=True, text=True,
-                          timeout=100)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "axonserve.cli",
+            "serve",
+            tiny_llama_dir,
+            "--port",
+            "0",
+            "--num-kv-blocks",
+            "32",
+            "-tp",
+            "3",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "do not split over 3 tensor-parallel ranks" in out

@@ -10,11 +10,10 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from axonserve.config import EngineConfig
-
 from conftest import hf_greedy
 from multimodal.test_llava_engine import CASES, N, render, run_engine
+
+from axonserve.config import EngineConfig
 
 from .test_engine_parity import run_staggered
 
@@ -27,8 +26,16 @@ async def test_pd_text_greedy_matches_transformers(tiny_llama_dir, steps):
 
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 49152) for _ in range(length)] for length in (1, 4, 5, 17, 40, 63)]
-    config = EngineConfig(model=tiny_llama_dir, role="decode", block_size=4, num_kv_blocks=200,
-                          max_num_batched_tokens=24, log_level="warning", threads=1, num_scheduler_steps=steps)
+    config = EngineConfig(
+        model=tiny_llama_dir,
+        role="decode",
+        block_size=4,
+        num_kv_blocks=200,
+        max_num_batched_tokens=24,
+        log_level="warning",
+        threads=1,
+        num_scheduler_steps=steps,
+    )
     stats: list = []
     got = await run_staggered(config, prompts, n=10, stats=stats)
     ref = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
@@ -40,22 +47,30 @@ async def test_pd_text_greedy_matches_transformers(tiny_llama_dir, steps):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("encoders,steps", [(0, 1), (2, 1), (0, 4)],
-                         ids=["prefill-worker-encodes", "encoder-pool", "multi-step-decode"])
+@pytest.mark.parametrize(
+    "encoders,steps", [(0, 1), (2, 1), (0, 4)], ids=["prefill-worker-encodes", "encoder-pool", "multi-step-decode"]
+)
 async def test_pd_llava_greedy_matches_transformers(tiny_llava_dir, encoders, steps):
     """Images too: encoded by the prefill worker, or by the encoder pool before the prefill
     engine gets the features (encode -> prefill -> decode, three pools); and decoded with
     multi-step plans."""
+    from conftest import hf_llava_greedy
     from transformers import AutoTokenizer
 
-    from conftest import hf_llava_greedy
-
-    config = EngineConfig(model=tiny_llava_dir, role="decode", block_size=4, num_kv_blocks=400,
-                          max_num_batched_tokens=32, log_level="warning", threads=1, encoder_workers=encoders,
-                          num_scheduler_steps=steps)
+    config = EngineConfig(
+        model=tiny_llava_dir,
+        role="decode",
+        block_size=4,
+        num_kv_blocks=400,
+        max_num_batched_tokens=32,
+        log_level="warning",
+        threads=1,
+        encoder_workers=encoders,
+        num_scheduler_steps=steps,
+    )
     got, stats, (same_image, other_image) = await run_engine(config, CASES)
     tok = AutoTokenizer.from_pretrained(tiny_llava_dir)
-    for (ids, toks), messages in zip(got, CASES):
+    for (_ids, toks), messages in zip(got, CASES):
         text, imgs = render(tok, messages, "<image>")
         assert toks == hf_llava_greedy(tiny_llava_dir, text, imgs, N)[1]
     assert stats.num_steps > 0 and stats.prefix_cache_queries == 0  # every prompt's KV was imported
@@ -76,25 +91,35 @@ def test_pd_server_matches_transformers_then_a_dead_prefill_worker_fails_clearly
 
     import httpx
     import torch
+    from frontends.server import health, serve
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from frontends.server import health, serve
     from .test_faults import session_pids, stream_until_error, wait_until
 
-    with serve(tiny_llama_dir, "--role", "decode", "--num-kv-blocks", "512", "--max-model-len", "2048",
-               "--block-size", "4") as srv:
+    with serve(
+        tiny_llama_dir, "--role", "decode", "--num-kv-blocks", "512", "--max-model-len", "2048", "--block-size", "4"
+    ) as srv:
         tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
         ids = tok("The capital of France is")["input_ids"]
-        r = httpx.post(srv.base_url + "/v1/completions", timeout=60, json={
-            "model": tiny_llama_dir, "prompt": ids, "max_tokens": 12, "min_tokens": 12, "temperature": 0})
+        r = httpx.post(
+            srv.base_url + "/v1/completions",
+            timeout=60,
+            json={"model": tiny_llama_dir, "prompt": ids, "max_tokens": 12, "min_tokens": 12, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
         ref = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
         assert r.json()["choices"][0]["text"] == tok.decode(hf_greedy(ref, ids, 12), skip_special_tokens=True)
 
         sid = srv.proc.pid
         victim = next(pid for pid, cmd in session_pids(sid).items() if '"name":"prefill-worker-0"' in cmd)
-        body = {"model": tiny_llama_dir, "prompt": "Once upon a time", "max_tokens": 1900,
-                "ignore_eos": True, "temperature": 0, "stream": True}
+        body = {
+            "model": tiny_llama_dir,
+            "prompt": "Once upon a time",
+            "max_tokens": 1900,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
         t_kill = None
 
         def kill() -> None:

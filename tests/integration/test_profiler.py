@@ -79,8 +79,18 @@ def test_profiler_is_guarded_and_bounded(tiny_llama_dir, tmp_path):
     is in flight, is refused at once (409, not queued); a trace holds at most --profile-max-steps
     steps and each rank keeps its newest --profile-max-traces traces."""
     prof, key = tmp_path / "prof", "sk-prof"
-    args = ("--num-kv-blocks", "64", "--profile-dir", str(prof), "--api-key", key,
-            "--profile-max-steps", "3", "--profile-max-traces", "2")
+    args = (
+        "--num-kv-blocks",
+        "64",
+        "--profile-dir",
+        str(prof),
+        "--api-key",
+        key,
+        "--profile-max-steps",
+        "3",
+        "--profile-max-traces",
+        "2",
+    )
     auth = {"Authorization": f"Bearer {key}"}
     with serve(tiny_llama_dir, *args) as srv, httpx.Client(base_url=srv.base_url, timeout=60) as http:
         for route in ("/start_profile", "/stop_profile"):

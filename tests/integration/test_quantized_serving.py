@@ -25,8 +25,9 @@ def test_int8_kv_cache_served_through_the_engine(tiny_llama_dir):
     prompts = [[5, 6, 7], [8, 9], list(range(10, 50))]
     outs = {}
     for kv in ("auto", "int8"):
-        config = EngineConfig(model=tiny_llama_dir, num_kv_blocks=64, quantization="int8", dtype="bfloat16",
-                              kv_cache_dtype=kv)
+        config = EngineConfig(
+            model=tiny_llama_dir, num_kv_blocks=64, quantization="int8", dtype="bfloat16", kv_cache_dtype=kv
+        )
         with LLM(config=config) as llm:
             outs[kv] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert [len(t) for t in outs["int8"]] == [12, 12, 12]
@@ -52,11 +53,20 @@ async def test_eagle_with_int8_weights_drafts_with_an_int8_head(smollm2_dir):
     from axonserve.frontends.tokenizer import Tokenizer
 
     tok = Tokenizer.load(smollm2_dir)
-    prompts = [tok.encode_chat([{"role": "user", "content": q}], add_generation_prompt=True) for q in (
-        "Explain how rainbows form.", "Write a short poem about the sea.", "What is the capital of France?")]
+    prompts = [
+        tok.encode_chat([{"role": "user", "content": q}], add_generation_prompt=True)
+        for q in ("Explain how rainbows form.", "Write a short poem about the sea.", "What is the capital of France?")
+    ]
     spec = SpeculativeConfig(method="eagle", num_speculative_tokens=2)
-    config = EngineConfig(model=smollm2_dir, served_model_name="SmolLM2-135M-Instruct", dtype="bfloat16",
-                          quantization="int8", speculative=spec, num_kv_blocks=256, log_level="warning")
+    config = EngineConfig(
+        model=smollm2_dir,
+        served_model_name="SmolLM2-135M-Instruct",
+        dtype="bfloat16",
+        quantization="int8",
+        speculative=spec,
+        num_kv_blocks=256,
+        log_level="warning",
+    )
     sup = Supervisor(config, frontend=False)
     await sup.start()
     client = await AsyncEngineClient.connect(sup.addresses.engine, timeout=60)

@@ -25,17 +25,27 @@ def worker_pid(sid: int, rank: int) -> int:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("sig, rank", [
-    (signal.SIGKILL, 1),
-    (signal.SIGSTOP, 1),
-    (signal.SIGSTOP, 0),
-], ids=["rank1-dies", "rank1-hangs", "rank0-hangs"])
+@pytest.mark.parametrize(
+    "sig, rank",
+    [
+        (signal.SIGKILL, 1),
+        (signal.SIGSTOP, 1),
+        (signal.SIGSTOP, 0),
+    ],
+    ids=["rank1-dies", "rank1-hangs", "rank0-hangs"],
+)
 def test_rank_fault_mid_generation_fails_requests_and_stops_engine(tiny_llama_dir, sig, rank):
     args = ("--num-kv-blocks", "512", "--max-model-len", "2048", "--tensor-parallel-size", "2")
     with serve(tiny_llama_dir, *args) as srv:
         sid = srv.proc.pid
-        body = {"model": tiny_llama_dir, "prompt": "Once upon a time", "max_tokens": 1900,
-                "ignore_eos": True, "temperature": 0, "stream": True}
+        body = {
+            "model": tiny_llama_dir,
+            "prompt": "Once upon a time",
+            "max_tokens": 1900,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
         victim = None
 
         def fault() -> None:

@@ -50,9 +50,16 @@ def test_served_request_id_is_on_every_engine_line_about_it(tiny_llama_dir):
     # 10 blocks of 4 tokens: two 34-token requests cannot both fit, so one is preempted
     args = ("--num-kv-blocks", "10", "--block-size", "4", "--log-format", "json", "--log-level", "debug")
     with serve(tiny_llama_dir, *args) as srv, httpx.Client(base_url=srv.base_url, timeout=120) as http:
+
         def body(rid: str, n: int, **kw) -> dict:
-            return {"model": tiny_llama_dir, "prompt": [7, 8, 9, 10], "max_tokens": n, "temperature": 0,
-                    "ignore_eos": True, "request_id": rid} | kw
+            return {
+                "model": tiny_llama_dir,
+                "prompt": [7, 8, 9, 10],
+                "max_tokens": n,
+                "temperature": 0,
+                "ignore_eos": True,
+                "request_id": rid,
+            } | kw
 
         r = http.post("/v1/completions", json=body(RID, 3))
         assert r.status_code == 200, r.text
@@ -61,8 +68,12 @@ def test_served_request_id_is_on_every_engine_line_about_it(tiny_llama_dir):
         # two prompts in one request: both are admitted at once, then outgrow the 10 blocks
         r = http.post("/v1/completions", json=body("logs-p", 30, prompt=[[7, 8, 9, 10], [11, 12, 13, 14]]))
         assert r.status_code == 200, r.text
-        want = {("scheduler", "request.added", RID), ("scheduler", "request.finished", RID),
-                ("frontend", "access", RID), ("scheduler", "request.finished", "logs-abort")}
+        want = {
+            ("scheduler", "request.added", RID),
+            ("scheduler", "request.finished", RID),
+            ("frontend", "access", RID),
+            ("scheduler", "request.finished", "logs-abort"),
+        }
         lines = wait_for_events(srv.log_path, want, 30)
 
     have = {(x.get("actor"), x["event"], x.get("request_id")) for x in lines}

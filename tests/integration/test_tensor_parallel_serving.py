@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
 from frontends.server import serve
 
 from .test_faults import session_pids
@@ -15,9 +14,17 @@ def completion_ids(base_url: str, model: str, logprobs: int | None = 0) -> list[
     out = []
     with httpx.Client(base_url=base_url, timeout=60) as http:
         for prompt in ("Once upon a time", "The capital of France is", "1, 2, 3,"):
-            r = http.post("/v1/completions", json={
-                "model": model, "prompt": prompt, "max_tokens": 12, "min_tokens": 12,
-                "temperature": 0, "logprobs": logprobs})
+            r = http.post(
+                "/v1/completions",
+                json={
+                    "model": model,
+                    "prompt": prompt,
+                    "max_tokens": 12,
+                    "min_tokens": 12,
+                    "temperature": 0,
+                    "logprobs": logprobs,
+                },
+            )
             assert r.status_code == 200, r.text
             out.append(r.json()["choices"][0]["text"])
     return out

@@ -11,9 +11,9 @@ import pytest
 from conftest import hf_greedy, make_tiny_model
 from frontends.server import serve
 
-from .test_faults import session_pids
-
 from axonserve.frontends.tokenizer import Tokenizer
+
+from .test_faults import session_pids
 
 PROMPTS = ("Once upon a time", "The capital of France is", "1, 2, 3,", "def fibonacci(n):")
 N_NEW = 12
@@ -22,8 +22,10 @@ N_NEW = 12
 def served_texts(base_url: str) -> list[str]:
     def one(prompt: str) -> str:
         with httpx.Client(base_url=base_url, timeout=120) as http:
-            r = http.post("/v1/completions", json={
-                "model": "tiny", "prompt": prompt, "max_tokens": N_NEW, "min_tokens": N_NEW, "temperature": 0})
+            r = http.post(
+                "/v1/completions",
+                json={"model": "tiny", "prompt": prompt, "max_tokens": N_NEW, "min_tokens": N_NEW, "temperature": 0},
+            )
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]["text"]
 
@@ -41,12 +43,16 @@ def transformers_texts(model_dir: str) -> list[str]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("arch, tp, flags", [
-    ("Qwen3ForCausalLM", 2, ()),
-    ("Qwen3MoeForCausalLM", 2, ("--enable-expert-parallel",)),
-    ("LlamaForCausalLM", 4, ()),
-    ("Qwen3MoeForCausalLM", 4, ("--enable-expert-parallel",)),
-], ids=["qwen3-tp2", "qwen3moe-tp2-ep", "llama-tp4", "qwen3moe-tp4-ep"])
+@pytest.mark.parametrize(
+    "arch, tp, flags",
+    [
+        ("Qwen3ForCausalLM", 2, ()),
+        ("Qwen3MoeForCausalLM", 2, ("--enable-expert-parallel",)),
+        ("LlamaForCausalLM", 4, ()),
+        ("Qwen3MoeForCausalLM", 4, ("--enable-expert-parallel",)),
+    ],
+    ids=["qwen3-tp2", "qwen3moe-tp2-ep", "llama-tp4", "qwen3moe-tp4-ep"],
+)
 def test_ranks_serve_transformers_greedy(arch, tp, flags, tmp_path, smollm2_dir):
     model_dir = make_tiny_model(str(tmp_path), arch, tokenizer_dir=smollm2_dir)
     want = transformers_texts(model_dir)

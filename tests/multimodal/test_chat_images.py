@@ -12,11 +12,11 @@ import threading
 
 import httpx
 import pytest
-
 from conftest import data_url, hf_llava_greedy, png_bytes
 from frontends.server import serve
 from frontends.test_openai_api import _error, _metric
 from integration.test_faults import wait_until
+
 from multimodal.test_llava_engine import render
 
 N = 6
@@ -54,10 +54,27 @@ def image_host():
 
 @pytest.fixture(scope="module")
 def server(tiny_llava_dir):
-    args = ("--encoder-workers", "2", "--served-model-name", "m", "--num-kv-blocks", "400", "--block-size", "4",
-            "--max-model-len", "256", "--allowed-media-domains", "127.0.0.1", "--max-images-per-request", "3",
-            "--threads", "1", "--max-image-bytes", "200000",
-            "--allow-private-image-urls")  # the test's image host is on the loopback
+    args = (
+        "--encoder-workers",
+        "2",
+        "--served-model-name",
+        "m",
+        "--num-kv-blocks",
+        "400",
+        "--block-size",
+        "4",
+        "--max-model-len",
+        "256",
+        "--allowed-media-domains",
+        "127.0.0.1",
+        "--max-images-per-request",
+        "3",
+        "--threads",
+        "1",
+        "--max-image-bytes",
+        "200000",
+        "--allow-private-image-urls",
+    )  # the test's image host is on the loopback
     with serve(tiny_llava_dir, *args) as srv:
         yield srv
 
@@ -78,9 +95,16 @@ def ask(http: httpx.Client, *parts, n: int = N) -> httpx.Response:
 
 
 def post_chat(http: httpx.Client, content: list, n: int = N) -> httpx.Response:
-    return http.post("/v1/chat/completions", json={
-        "model": "m", "messages": [{"role": "user", "content": content}],
-        "max_tokens": n, "min_tokens": n, "temperature": 0})
+    return http.post(
+        "/v1/chat/completions",
+        json={
+            "model": "m",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": n,
+            "min_tokens": n,
+            "temperature": 0,
+        },
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,8 +126,12 @@ def as_parts(parts: tuple) -> list:
 
 @pytest.mark.timeout(300)
 def test_concurrent_image_and_text_chats_match_transformers(http, tiny_llava_dir):
-    cases = [("What is in ", 11, "?"), ("Compare ", 12, " with ", 13, "."), ("No picture here, just words.",),
-             (14, "Caption it.")]
+    cases = [
+        ("What is in ", 11, "?"),
+        ("Compare ", 12, " with ", 13, "."),
+        ("No picture here, just words.",),
+        (14, "Caption it."),
+    ]
     with cf.ThreadPoolExecutor(len(cases)) as pool:
         resps = list(pool.map(lambda c: ask(http, *as_parts(c)), cases))
     for case, r in zip(cases, resps):
@@ -129,18 +157,23 @@ def test_image_url_from_an_allowed_host(http, tiny_llava_dir, image_host):
 
 
 def test_image_url_redirects_are_not_followed(http, image_host):
-    assert "redirects are not followed" in _error(ask(http, "Look: ", image_part(f"{image_host}/redirect")), 400)[
-        "message"]
+    assert (
+        "redirects are not followed"
+        in _error(ask(http, "Look: ", image_part(f"{image_host}/redirect")), 400)["message"]
+    )
 
 
-@pytest.mark.parametrize("url, why", [
-    ("https://images.example.com/cat.png", "not in --allowed-media-domains"),
-    ("ftp://127.0.0.1/cat.png", "scheme"),
-    ("data:image/png;base64,@@@not-base64@@@", "not valid base64"),
-    ("data:image/png;base64," + base64.b64encode(b"this is not an image").decode(), "cannot decode the image"),
-    ("data:text/plain;base64,aGVsbG8=", "data:image/"),
-    ("data:image/png;base64," + base64.b64encode(b"\x89PNG" + b"\0" * 300_000).decode(), "larger than"),
-])
+@pytest.mark.parametrize(
+    "url, why",
+    [
+        ("https://images.example.com/cat.png", "not in --allowed-media-domains"),
+        ("ftp://127.0.0.1/cat.png", "scheme"),
+        ("data:image/png;base64,@@@not-base64@@@", "not valid base64"),
+        ("data:image/png;base64," + base64.b64encode(b"this is not an image").decode(), "cannot decode the image"),
+        ("data:text/plain;base64,aGVsbG8=", "data:image/"),
+        ("data:image/png;base64," + base64.b64encode(b"\x89PNG" + b"\0" * 300_000).decode(), "larger than"),
+    ],
+)
 def test_bad_images_are_400(http, server, url, why):
     r = ask(http, "Look: ", image_part(url))
     assert why in _error(r, 400)["message"]
@@ -150,7 +183,13 @@ def test_image_limits_and_stray_image_tokens_are_400(http):
     img = image_part(data_url(png_bytes(1)))
     assert "at most 3 images" in _error(ask(http, img, img, img, img), 400)["message"]
     assert "image tokens" in _error(ask(http, "text with <image> in it ", img), 400)["message"]
-    r = http.post("/v1/chat/completions", json={"model": "m", "max_tokens": 2, "messages": [
-        {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})
+    r = http.post(
+        "/v1/chat/completions",
+        json={
+            "model": "m",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+        },
+    )
     assert _error(r, 400)
     assert http.get("/health").status_code == 200

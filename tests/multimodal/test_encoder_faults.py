@@ -11,10 +11,10 @@ import time
 
 import httpx
 import pytest
-
 from frontends.server import serve
 from frontends.test_openai_api import _error, _metric
 from integration.test_faults import session_pids, wait_until
+
 from multimodal.test_chat_images import as_parts, post_chat, reference
 
 
@@ -33,8 +33,20 @@ def chat(http: httpx.Client, parts: tuple) -> httpx.Response:
 
 @pytest.mark.timeout(240)
 def test_encoder_death_retries_then_fails_clearly(tiny_llava_dir):
-    args = ("--encoder-workers", "2", "--served-model-name", "m", "--num-kv-blocks", "400", "--block-size", "4",
-            "--max-model-len", "256", "--threads", "1")
+    args = (
+        "--encoder-workers",
+        "2",
+        "--served-model-name",
+        "m",
+        "--num-kv-blocks",
+        "400",
+        "--block-size",
+        "4",
+        "--max-model-len",
+        "256",
+        "--threads",
+        "1",
+    )
     with serve(tiny_llava_dir, *args) as srv, httpx.Client(base_url=srv.base_url, timeout=60) as http:
         pids = encoder_pids(srv.proc.pid)
         assert set(pids) == {"encoder-0", "encoder-1"}

@@ -26,18 +26,32 @@ from collections import Counter
 
 import httpx
 import pytest
-
-from axonserve.config import EngineConfig
-from axonserve.multimodal import frontend as mm
-from axonserve.protocol.messages import ParamError
 from conftest import data_url, png_bytes
 from frontends.server import serve
 from frontends.test_openai_api import _error
 
+from axonserve.config import EngineConfig
+from axonserve.multimodal import frontend as mm
+from axonserve.protocol.messages import ParamError
+
 FETCH_TIMEOUT_S = 2.0
 BUDGET = 4_000_000  # decoded bytes per request on the strict server: two 800x800 RGB images, not three
-SERVER_ARGS = ("--served-model-name", "m", "--num-kv-blocks", "400", "--block-size", "4", "--max-model-len", "256",
-               "--threads", "1", "--image-fetch-timeout-s", str(FETCH_TIMEOUT_S), "--max-image-bytes", "200000")
+SERVER_ARGS = (
+    "--served-model-name",
+    "m",
+    "--num-kv-blocks",
+    "400",
+    "--block-size",
+    "4",
+    "--max-model-len",
+    "256",
+    "--threads",
+    "1",
+    "--image-fetch-timeout-s",
+    str(FETCH_TIMEOUT_S),
+    "--max-image-bytes",
+    "200000",
+)
 
 
 # --------------------------------------------------------------------------- hostile inputs
@@ -157,22 +171,47 @@ def image_host():
 # --------------------------------------------------------------------------- without a server
 
 
-@pytest.mark.parametrize("addr, public", [
-    ("8.8.8.8", True), ("2606:4700:4700::1111", True), ("::ffff:8.8.8.8", True),
-    ("127.0.0.1", False), ("127.8.9.10", False), ("10.1.2.3", False), ("172.16.0.1", False), ("192.168.1.1", False),
-    ("169.254.169.254", False), ("100.64.0.1", False), ("0.0.0.0", False), ("224.0.0.1", False),
-    ("255.255.255.255", False), ("240.0.0.1", False), ("192.0.2.1", False),
-    ("::1", False), ("::", False), ("fe80::1", False), ("fc00::1", False), ("ff02::1", False),
-    ("::ffff:127.0.0.1", False), ("::ffff:169.254.169.254", False), ("2002:7f00:1::1", False),
-    ("64:ff9b::a00:1", False), ("not-an-ip", False),
-])
+@pytest.mark.parametrize(
+    "addr, public",
+    [
+        ("8.8.8.8", True),
+        ("2606:4700:4700::1111", True),
+        ("::ffff:8.8.8.8", True),
+        ("127.0.0.1", False),
+        ("127.8.9.10", False),
+        ("10.1.2.3", False),
+        ("172.16.0.1", False),
+        ("192.168.1.1", False),
+        ("169.254.169.254", False),
+        ("100.64.0.1", False),
+        ("0.0.0.0", False),
+        ("224.0.0.1", False),
+        ("255.255.255.255", False),
+        ("240.0.0.1", False),
+        ("192.0.2.1", False),
+        ("::1", False),
+        ("::", False),
+        ("fe80::1", False),
+        ("fc00::1", False),
+        ("ff02::1", False),
+        ("::ffff:127.0.0.1", False),
+        ("::ffff:169.254.169.254", False),
+        ("2002:7f00:1::1", False),
+        ("64:ff9b::a00:1", False),
+        ("not-an-ip", False),
+    ],
+)
 def test_address_classes(addr, public):
     assert mm.is_public_address(addr) is public
 
 
 def cfg(**kw) -> EngineConfig:
-    base = dict(model="", allowed_media_domains=["127.0.0.1", "localhost"], image_fetch_timeout_s=FETCH_TIMEOUT_S,
-                max_image_bytes=200_000)
+    base = dict(
+        model="",
+        allowed_media_domains=["127.0.0.1", "localhost"],
+        image_fetch_timeout_s=FETCH_TIMEOUT_S,
+        max_image_bytes=200_000,
+    )
     return EngineConfig(**{**base, **kw})
 
 
@@ -253,9 +292,28 @@ def test_https_connects_to_the_checked_address_with_the_urls_host_name(tmp_path,
     import ssl
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+    )
     seen = {}
     body = png_bytes(5)
 
@@ -296,8 +354,10 @@ def test_https_connects_to_the_checked_address_with_the_urls_host_name(tmp_path,
 
 
 def post_chat(http: httpx.Client, content: list, n: int = 2) -> httpx.Response:
-    return http.post("/v1/chat/completions", json={
-        "model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": n, "temperature": 0})
+    return http.post(
+        "/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": n, "temperature": 0},
+    )
 
 
 def img(url: str) -> dict:
@@ -305,8 +365,9 @@ def img(url: str) -> dict:
 
 
 def normal_chat(http: httpx.Client) -> None:
-    r = post_chat(http, [{"type": "text", "text": "What is in "}, img(data_url(png_bytes(3))), {"type": "text",
-                                                                                                  "text": "?"}])
+    r = post_chat(
+        http, [{"type": "text", "text": "What is in "}, img(data_url(png_bytes(3))), {"type": "text", "text": "?"}]
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] is not None
 
@@ -332,8 +393,14 @@ def refused(http: httpx.Client, content: list, why: str, within: float, port: in
 
 @pytest.fixture(scope="module")
 def strict(tiny_llava_dir):
-    args = (*SERVER_ARGS, "--allowed-media-domains", "127.0.0.1", "localhost",
-            "--max-image-decoded-bytes-per-request", str(BUDGET))
+    args = (
+        *SERVER_ARGS,
+        "--allowed-media-domains",
+        "127.0.0.1",
+        "localhost",
+        "--max-image-decoded-bytes-per-request",
+        str(BUDGET),
+    )
     with serve(tiny_llava_dir, *args) as srv, httpx.Client(base_url=srv.base_url, timeout=60) as c:
         yield c
         assert srv.proc.poll() is None, srv.log_tail()
@@ -353,8 +420,13 @@ def test_strict_server_refuses_bombs_budgets_and_private_urls(strict, image_host
 
     before = sum(image_host.hits.values())
     for host in ("127.0.0.1", "localhost"):
-        refused(strict, [img(image_host.url("/img.png", host))], "private, loopback or link-local", within=5,
-                port=image_host.port)
+        refused(
+            strict,
+            [img(image_host.url("/img.png", host))],
+            "private, loopback or link-local",
+            within=5,
+            port=image_host.port,
+        )
     assert sum(image_host.hits.values()) == before  # the image host was never contacted
     normal_chat(strict)
 
@@ -375,19 +447,23 @@ def test_lenient_server_fetches_with_deadline_and_size_cap(lenient, image_host):
 
     within = FETCH_TIMEOUT_S + 3
     for path in ("/drip", "/dripheaders"):
-        refused(lenient, [img(image_host.url(path))], "could not fetch image: timed out", within,
-                port=image_host.port)
+        refused(lenient, [img(image_host.url(path))], "could not fetch image: timed out", within, port=image_host.port)
     # two dripping URLs share the request's deadline (not one each)
-    refused(lenient, [img(image_host.url("/drip")), img(image_host.url("/drip"))], "timed out", within,
-            port=image_host.port)
+    refused(
+        lenient, [img(image_host.url("/drip")), img(image_host.url("/drip"))], "timed out", within, port=image_host.port
+    )
     for path in ("/big", "/bigchunked"):
         refused(lenient, [img(image_host.url(path))], "larger than 200000 bytes", within=5, port=image_host.port)
-    refused(lenient, [img(image_host.url("/redirect"))], "redirects are not followed", within=5,
-            port=image_host.port)
+    refused(lenient, [img(image_host.url("/redirect"))], "redirects are not followed", within=5, port=image_host.port)
     refused(lenient, [img(image_host.url("/missing.png"))], "HTTP status 404", within=5, port=image_host.port)
     closed = _closed_port()
-    refused(lenient, [img(f"http://127.0.0.1:{closed}/img.png")], "could not fetch image: connection failed", within=5,
-            port=closed)
+    refused(
+        lenient,
+        [img(f"http://127.0.0.1:{closed}/img.png")],
+        "could not fetch image: connection failed",
+        within=5,
+        port=closed,
+    )
     normal_chat(lenient)
 
 

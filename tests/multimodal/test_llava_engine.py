@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from conftest import data_url, hf_llava_greedy, png_bytes
 
 from axonserve.actors.supervisor import Supervisor
 from axonserve.config import EngineConfig
@@ -15,15 +16,15 @@ from axonserve.frontends.client import AsyncEngineClient
 from axonserve.multimodal.frontend import ImageInputs, take_images
 from axonserve.protocol.messages import SamplingParams
 
-from conftest import data_url, hf_llava_greedy, png_bytes
-
 N = 8
 
 
 def chat(*parts) -> list[dict]:
     """One user message: str parts are text, bytes parts are images."""
-    content = [{"type": "text", "text": p} if isinstance(p, str) else
-               {"type": "image_url", "image_url": {"url": data_url(p)}} for p in parts]
+    content = [
+        {"type": "text", "text": p} if isinstance(p, str) else {"type": "image_url", "image_url": {"url": data_url(p)}}
+        for p in parts
+    ]
     return [{"role": "user", "content": content}]
 
 
@@ -37,8 +38,16 @@ CASES = [
 
 def swap_images(messages: list[dict], image: bytes) -> list[dict]:
     """The same messages with every image replaced by `image`."""
-    return [{**m, "content": [{"type": "image_url", "image_url": {"url": data_url(image)}}
-                              if p.get("type") == "image_url" else p for p in m["content"]]} for m in messages]
+    return [
+        {
+            **m,
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_url(image)}} if p.get("type") == "image_url" else p
+                for p in m["content"]
+            ],
+        }
+        for m in messages
+    ]
 
 
 def render(tokenizer, messages: list[dict], image_token: str) -> tuple[str, list[bytes]]:
@@ -93,8 +102,15 @@ async def run_engine(config: EngineConfig, cases: list[list[dict]]):
 async def test_llava_greedy_matches_transformers(tiny_llava_dir, encoders):
     from transformers import AutoTokenizer
 
-    config = EngineConfig(model=tiny_llava_dir, block_size=4, num_kv_blocks=400, max_num_batched_tokens=32,
-                          encoder_workers=encoders, log_level="warning", threads=1)
+    config = EngineConfig(
+        model=tiny_llava_dir,
+        block_size=4,
+        num_kv_blocks=400,
+        max_num_batched_tokens=32,
+        encoder_workers=encoders,
+        log_level="warning",
+        threads=1,
+    )
     got, stats, (same_image, other_image) = await run_engine(config, CASES)
     tok = AutoTokenizer.from_pretrained(tiny_llava_dir)
     for (ids, toks), messages in zip(got, CASES):

@@ -31,16 +31,19 @@ def test_check_images_accepts_a_well_formed_input():
     assert why is None and len(frames["pixel_values"]) == px.nbytes
 
 
-@pytest.mark.parametrize("mm, why", [
-    (MultiModalInput(["a"], [1], [3], pixel_values=TensorRef(1, "float32", [1, 3, 8, 8])), "placeholder tokens"),
-    (MultiModalInput(["a"], [0], [4], pixel_values=TensorRef(1, "float32", [1, 3, 8, 8])), "image tokens"),
-    (MultiModalInput(["a"], [1], [4], pixel_values=TensorRef(1, "float32", [1, 3, 9, 9])), "shape"),
-    (MultiModalInput(["a"], [1], [4], pixel_values=TensorRef(2, "float32", [1, 3, 8, 8])), "missing"),
-    (MultiModalInput(["a"], [1], [4], pixel_values=TensorRef(1, "int64", [1, 3, 8, 8])), "dtype"),
-    (MultiModalInput(["a"], [1], [4]), "exactly one"),
-    (MultiModalInput(["a", "b"], [1], [4], pixel_values=TensorRef(1, "float32", [1, 3, 8, 8])), "one hash"),
-    (MultiModalInput(["a"], [1], [4], embeddings=TensorRef(1, "float32", [4, 6])), "bytes"),
-])
+@pytest.mark.parametrize(
+    "mm, why",
+    [
+        (MultiModalInput(["a"], [1], [3], pixel_values=TensorRef(1, "float32", [1, 3, 8, 8])), "placeholder tokens"),
+        (MultiModalInput(["a"], [0], [4], pixel_values=TensorRef(1, "float32", [1, 3, 8, 8])), "image tokens"),
+        (MultiModalInput(["a"], [1], [4], pixel_values=TensorRef(1, "float32", [1, 3, 9, 9])), "shape"),
+        (MultiModalInput(["a"], [1], [4], pixel_values=TensorRef(2, "float32", [1, 3, 8, 8])), "missing"),
+        (MultiModalInput(["a"], [1], [4], pixel_values=TensorRef(1, "int64", [1, 3, 8, 8])), "dtype"),
+        (MultiModalInput(["a"], [1], [4]), "exactly one"),
+        (MultiModalInput(["a", "b"], [1], [4], pixel_values=TensorRef(1, "float32", [1, 3, 8, 8])), "one hash"),
+        (MultiModalInput(["a"], [1], [4], embeddings=TensorRef(1, "float32", [4, 6])), "bytes"),
+    ],
+)
 def test_check_images_rejects_malformed_inputs(mm, why):
     prompt = [1, 9, 9, 9, 9, 2]
     msg, _ = check_images(mm, prompt, frames_for(np.zeros((1, 3, 8, 8), np.float32)), SPEC)
@@ -103,8 +106,13 @@ def test_clip_tower_and_projector_match_transformers(tiny_llava_dir):
     pixels = torch.randn(3, 3, 32, 32)
     hf = LlavaForConditionalGeneration.from_pretrained(tiny_llava_dir).eval()
     with torch.no_grad():
-        want = torch.stack(list(hf.model.get_image_features(pixels, vision_feature_layer=-2,
-                                                            vision_feature_select_strategy="default").pooler_output))
+        want = torch.stack(
+            list(
+                hf.model.get_image_features(
+                    pixels, vision_feature_layer=-2, vision_feature_select_strategy="default"
+                ).pooler_output
+            )
+        )
         full = load_model(ModelConfig.from_dir(tiny_llava_dir), torch.float32, progress=False)
         vision = load_vision_encoder(tiny_llava_dir, torch.float32)
         assert vision.language_model is None

@@ -131,7 +131,9 @@ class MiniScheduler:
                 self.chunked.add(r.rid)
         kinds = {n == 1 for n in nums}
         self.mixed_steps += kinds == {True, False}
-        plan = StepPlan(self.step_id, new=new, cached=cached, num_scheduled_tokens=nums, finished_request_ids=self.to_finish)
+        plan = StepPlan(
+            self.step_id, new=new, cached=cached, num_scheduled_tokens=nums, finished_request_ids=self.to_finish
+        )
         self.to_finish = []
         res = self.runner.execute(plan)
         assert res.error is None, res.error

@@ -25,8 +25,16 @@ CASES = {
     "qwen3-bias": ("Qwen3ForCausalLM", {"attention_bias": True}),
     "qwen3-moe": (MOE, {}),  # layer 0 sparse, layer 1 dense (mlp_only_layers), top-k renormalised
     # layer 1 sparse by decoder_sparse_step, raw top-k probabilities, every expert routed to often
-    "qwen3-moe-step2": (MOE, {"mlp_only_layers": [], "decoder_sparse_step": 2, "norm_topk_prob": False,
-                              "num_experts": 4, "num_experts_per_tok": 3}),
+    "qwen3-moe-step2": (
+        MOE,
+        {
+            "mlp_only_layers": [],
+            "decoder_sparse_step": 2,
+            "norm_topk_prob": False,
+            "num_experts": 4,
+            "num_experts_per_tok": 3,
+        },
+    ),
 }
 
 
@@ -92,7 +100,8 @@ def test_fused_3d_expert_checkpoint_loads_the_same(tmp_path):
         if not n:
             continue
         out[f"{p}.gate_up_proj"] = torch.stack(
-            [torch.cat((tensors[f"{p}.{e}.gate_proj.weight"], tensors[f"{p}.{e}.up_proj.weight"])) for e in range(n)])
+            [torch.cat((tensors[f"{p}.{e}.gate_proj.weight"], tensors[f"{p}.{e}.up_proj.weight"])) for e in range(n)]
+        )
         out[f"{p}.down_proj"] = torch.stack([tensors[f"{p}.{e}.down_proj.weight"] for e in range(n)])
     save_file(out, str(fused_dir / "model.safetensors"))
     (fused_dir / "config.json").write_text(json.dumps(cfg))
@@ -116,8 +125,14 @@ def test_sliding_window_within_max_model_len_is_exact(tmp_path):
 
 def test_sliding_window_read_from_each_config_layout(tmp_path):
     def window(**cfg) -> int | None:
-        base = {"architectures": ["X"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-                "num_attention_heads": 4, "vocab_size": 100}
+        base = {
+            "architectures": ["X"],
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "vocab_size": 100,
+        }
         (tmp_path / "config.json").write_text(json.dumps({**base, **cfg}))
         return ModelConfig.from_dir(str(tmp_path)).sliding_window
 

@@ -31,7 +31,7 @@ def test_mixed_batch_matches_dense_attention():
     assert meta.num_decodes == 2 and meta.short == (3, 4) and len(meta.prefills) == 1
     t = sum(q for q, _ in seqs)
     q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
-    scale = d ** -0.5
+    scale = d**-0.5
     out = paged_attention(q, k, v, k_cache, v_cache, meta, scale)  # writes k, v into the caches first
     row = 0
     for (qn, ctx), table in zip(seqs, tables):
@@ -68,12 +68,18 @@ def test_draft_tree_rows_attend_to_their_ancestors():
     t = sum(q for q, _ in seqs)
     q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
     for kernels in kinds:
-        meta = AttentionMetadata.build([n for n, _ in seqs], [c for _, c in seqs], tables, bs, native=kernels,
-                                       trees={i: [p - 1 for p in rows[1:]] for i, rows in trees.items()})
+        meta = AttentionMetadata.build(
+            [n for n, _ in seqs],
+            [c for _, c in seqs],
+            tables,
+            bs,
+            native=kernels,
+            trees={i: [p - 1 for p in rows[1:]] for i, rows in trees.items()},
+        )
         if kernels is None:
             assert meta.short == (2, 7) and len(meta.prefills) == 2
         k_cache, v_cache = k_init.clone(), v_init.clone()
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, d ** -0.5)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, d**-0.5)
         row = 0
         for i, ((qn, ctx), table) in enumerate(zip(seqs, tables)):
             parents = trees.get(i, list(range(-1, qn - 1)))
@@ -85,7 +91,7 @@ def test_draft_tree_rows_attend_to_their_ancestors():
             slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(ctx + qn)])
             keys = k_cache.view(-1, hkv, d)[slots].repeat_interleave(hq // hkv, dim=1)
             vals = v_cache.view(-1, hkv, d)[slots].repeat_interleave(hq // hkv, dim=1)
-            scores = torch.einsum("qhd,khd->hqk", q[row : row + qn], keys) * d ** -0.5
+            scores = torch.einsum("qhd,khd->hqk", q[row : row + qn], keys) * d**-0.5
             mask = torch.tensor([[j < ctx or (j - ctx) in seen[r] for j in range(ctx + qn)] for r in range(qn)])
             ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), vals)
             torch.testing.assert_close(out[row : row + qn], ref, atol=1e-5, rtol=1e-5)

@@ -26,8 +26,15 @@ from axonserve.protocol.messages import NewRequestData, PoolingParams, SamplingP
 from .conftest import make_runner
 
 ATOL = 1e-5
-TINY_BERT = {"vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "intermediate_size": 128, "max_position_embeddings": 64, "type_vocab_size": 2}
+TINY_BERT = {
+    "vocab_size": 1000,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+    "max_position_embeddings": 64,
+    "type_vocab_size": 2,
+}
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +119,10 @@ def test_bert_without_sentence_transformers_files_pools_cls_normalized(tiny_bert
 
 
 def _write_st(path: str, pooling: dict, extra_modules: tuple[str, ...] = ("Normalize",)) -> None:
-    mods = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    mods = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
     for i, m in enumerate(extra_modules, 2):
         mods.append({"idx": i, "name": str(i), "path": f"{i}_{m}", "type": f"sentence_transformers.models.{m}"})
     os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
@@ -162,8 +171,10 @@ TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
     "Embeddings map sentences to vectors.",
     "Hi",
-    ("A considerably longer sentence, with punctuation; numbers like 3.14159 and 2026, and "
-     "some rarer words such as sesquipedalian and antidisestablishmentarianism."),
+    (
+        "A considerably longer sentence, with punctuation; numbers like 3.14159 and 2026, and "
+        "some rarer words such as sesquipedalian and antidisestablishmentarianism."
+    ),
 ]
 
 
@@ -181,8 +192,10 @@ def test_minilm_matches_transformers_mean_pooling_normalized():
 
 
 def _plan(step: int, seqs: list[list[int]], normalize: list[bool | None], chunk: int | None = None) -> StepPlan:
-    new = [NewRequestData(f"r{i}", s, len(s), [], 0, SamplingParams(max_tokens=1), PoolingParams(normalize=n))
-           for i, (s, n) in enumerate(zip(seqs, normalize))]
+    new = [
+        NewRequestData(f"r{i}", s, len(s), [], 0, SamplingParams(max_tokens=1), PoolingParams(normalize=n))
+        for i, (s, n) in enumerate(zip(seqs, normalize))
+    ]
     return StepPlan(step, new=new, num_scheduled_tokens=[chunk or len(s) for s in seqs])
 
 

@@ -53,10 +53,16 @@ def _rank_main(rank: int, world: int, port: int, dirs: dict[str, str], out) -> N
     try:
         results = {}
         for name, (_, _, runner_kw) in CASES.items():
-            results[name] = _generate(dirs[name], num_workers=world, threads=1, rank=rank, dist_init=init,
-                                      **runner_kw)
-        runner = make_runner(dirs["moe-ep"], num_workers=world, threads=1, rank=rank, dist_init=init,
-                             enable_expert_parallel=True, dtype="bfloat16")
+            results[name] = _generate(dirs[name], num_workers=world, threads=1, rank=rank, dist_init=init, **runner_kw)
+        runner = make_runner(
+            dirs["moe-ep"],
+            num_workers=world,
+            threads=1,
+            rank=rank,
+            dist_init=init,
+            enable_expert_parallel=True,
+            dtype="bfloat16",
+        )
         # by value: a tensor would travel as a file descriptor this process must outlive
         results["moe-ep-bf16-logits"] = runner_logits(runner, BF16_IDS, [20, 1, 14]).float().tolist()
         out.put((rank, results))

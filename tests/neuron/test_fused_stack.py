@@ -29,19 +29,29 @@ STEPS = [
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
-    return {arch: make_tiny_model(str(tmp_path_factory.mktemp(arch)), arch)
-            for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")}
+    return {
+        arch: make_tiny_model(str(tmp_path_factory.mktemp(arch)), arch)
+        for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+    }
 
 
-def _run(model, dtype, monkeypatch, on: bool, reset: bool = True, kv_int8: bool = False
-         ) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
+def _run(
+    model, dtype, monkeypatch, on: bool, reset: bool = True, kv_int8: bool = False
+) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
     """Hidden states of every step and the caches after them (fresh ones); whether the stack ran."""
     monkeypatch.setenv("AXONSERVE_FUSED", "1" if on else "0")
     cfg = model.config
     shape = (64, BS, cfg.num_kv_heads, cfg.head_dim)
     if kv_int8:  # --kv-cache-dtype int8: codes and their scales
-        caches = [(torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8),
-                   torch.zeros(shape[:3]), torch.zeros(shape[:3])) for _ in range(cfg.num_layers)]
+        caches = [
+            (
+                torch.zeros(shape, dtype=torch.int8),
+                torch.zeros(shape, dtype=torch.int8),
+                torch.zeros(shape[:3]),
+                torch.zeros(shape[:3]),
+            )
+            for _ in range(cfg.num_layers)
+        ]
     else:
         caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
     tables = [list(range(i * 16, (i + 1) * 16)) for i in range(4)]
@@ -59,21 +69,30 @@ def _run(model, dtype, monkeypatch, on: bool, reset: bool = True, kv_int8: bool 
     return outs, [t for kv in caches for t in kv], used
 
 
-@pytest.mark.parametrize("dtype,quantization,pack,kv_int8", [
-    (torch.float32, "", False, False),
-    (torch.bfloat16, "", False, False),  # dense bf16: one row through mv
-    (torch.bfloat16, "", True, False),  # oneDNN-packed, and the skinny (AMX / dot-product) copy where the CPU has one
-    (torch.bfloat16, "int8", False, False),
-    (torch.bfloat16, "int4", False, False),
-    (torch.bfloat16, "", True, True),  # --kv-cache-dtype int8
-    (torch.float32, "", False, True),
-])
+@pytest.mark.parametrize(
+    "dtype,quantization,pack,kv_int8",
+    [
+        (torch.float32, "", False, False),
+        (torch.bfloat16, "", False, False),  # dense bf16: one row through mv
+        (
+            torch.bfloat16,
+            "",
+            True,
+            False,
+        ),  # oneDNN-packed, and the skinny (AMX / dot-product) copy where the CPU has one
+        (torch.bfloat16, "int8", False, False),
+        (torch.bfloat16, "int4", False, False),
+        (torch.bfloat16, "", True, True),  # --kv-cache-dtype int8
+        (torch.float32, "", False, True),
+    ],
+)
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])  # Qwen2: q/k/v biases
 def test_stack_equals_the_python_modules(model_dirs, arch, dtype, quantization, pack, kv_int8, monkeypatch):
     mc = ModelConfig.from_dir(model_dirs[arch])
     model = load_model(mc, dtype, progress=False, quantization=quantization, pack=pack)
-    if quantization == "int8" and native.kernels().skinny_rows(native.kernels().pack_int8_weight(
-            torch.zeros(16, 32, dtype=torch.int8))):  # AMX: int8 decode batches take the int8 tiles
+    if quantization == "int8" and native.kernels().skinny_rows(
+        native.kernels().pack_int8_weight(torch.zeros(16, 32, dtype=torch.int8))
+    ):  # AMX: int8 decode batches take the int8 tiles
         assert model.model.layers[0].mlp.down_proj.qweight.skinny is not None
     want, want_caches, used = _run(model, dtype, monkeypatch, on=False, kv_int8=kv_int8)
     assert not used

@@ -64,8 +64,12 @@ def test_huge_page_copies(monkeypatch):
     from axonserve.neuron.heap import collapse_huge_pages, huge_page_copies
 
     g = torch.Generator().manual_seed(0)
-    ts = [torch.randn(96, 288, 16, 2, generator=g).bfloat16(), torch.randint(-128, 127, (300, 577), generator=g,
-          dtype=torch.int8), torch.randn(7, generator=g), torch.randn(1024, 1024, generator=g)]
+    ts = [
+        torch.randn(96, 288, 16, 2, generator=g).bfloat16(),
+        torch.randint(-128, 127, (300, 577), generator=g, dtype=torch.int8),
+        torch.randn(7, generator=g),
+        torch.randn(1024, 1024, generator=g),
+    ]
     copies = huge_page_copies(ts)
     base = copies[0].data_ptr()
     for t, c in zip(ts, copies):

@@ -57,8 +57,12 @@ def test_llama3_rope_scaling_parity(tmp_path):
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     out = model.generate(
-        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0,
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
 
@@ -95,7 +99,9 @@ def test_bfloat16_close_to_transformers_bfloat16(tiny_llama_dir, kernels_path):
     got = runner_logits(make_runner(tiny_llama_dir, dtype="bfloat16"), ids, [20, 15])
     assert got.dtype == torch.bfloat16
 
-    torch.testing.assert_close(got.float(), ref.float(), atol=0.1, rtol=0.05)  # a few bf16 ulps: fused matmuls round differently
+    torch.testing.assert_close(
+        got.float(), ref.float(), atol=0.1, rtol=0.05
+    )  # a few bf16 ulps: fused matmuls round differently
 
 
 def test_multi_step_plans_decode_like_transformers(tiny_llama_dir, kernels_path):
@@ -110,8 +116,10 @@ def test_multi_step_plans_decode_like_transformers(tiny_llama_dir, kernels_path)
     model = hf_model(tiny_llama_dir)
     ref = [hf_greedy(model, p, 14) for p in prompts]
     greedy = SamplingParams(temperature=0.0, max_tokens=14)
-    new = [NewRequestData(f"r{i}", p, len(p), list(range(i * 8, i * 8 + 8))[::-1], 0, greedy)
-           for i, p in enumerate(prompts)]
+    new = [
+        NewRequestData(f"r{i}", p, len(p), list(range(i * 8, i * 8 + 8))[::-1], 0, greedy)
+        for i, p in enumerate(prompts)
+    ]
     res = runner.execute(StepPlan(1, new=new, num_scheduled_tokens=[len(p) for p in prompts]))
     got = {rid: [t] for rid, t in zip(res.request_ids, res.sampled_token_ids)}
     cached = [CachedRequestData("r0", []), CachedRequestData("r1", [])]

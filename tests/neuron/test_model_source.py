@@ -27,15 +27,24 @@ def test_directory_resolves_to_itself(tiny_llama_dir):
 
 
 def test_unsupported_architecture():
-    with pytest.raises(ValueError, match="architecture GPT2LMHeadModel is not supported; supported: .*LlamaForCausalLM"):
+    with pytest.raises(
+        ValueError, match="architecture GPT2LMHeadModel is not supported; supported: .*LlamaForCausalLM"
+    ):
         model_class("GPT2LMHeadModel")
 
 
 def test_model_config_reads_eos_union_and_rope(tmp_path):
     cfg = dict(
-        architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=100, eos_token_id=[2, 3],
-        rope_scaling={"type": "linear", "factor": 2.0}, rope_theta=1e4,
+        architectures=["LlamaForCausalLM"],
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        eos_token_id=[2, 3],
+        rope_scaling={"type": "linear", "factor": 2.0},
+        rope_theta=1e4,
     )
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))

@@ -164,8 +164,9 @@ def test_paged_attention_over_an_int8_cache(dtype, head_dim):
     (kc, ks), (vc, vs) = attention.quantize_kv(k_full), attention.quantize_kv(v_full)
     scale = head_dim**-0.5
     caches = [(kc.clone(), vc.clone(), ks.clone(), vs.clone()) for _ in range(2)]
-    got = paged_attention(q, k, v, *caches[0][:2], AttentionMetadata.build(*args, native=K), scale, True,
-                          *caches[0][2:])
+    got = paged_attention(
+        q, k, v, *caches[0][:2], AttentionMetadata.build(*args, native=K), scale, True, *caches[0][2:]
+    )
     ref = paged_attention(q, k, v, *caches[1][:2], AttentionMetadata.build(*args), scale, True, *caches[1][2:])
     assert all(torch.equal(a, b) for a, b in zip(*caches))  # the same codes written by both paths
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=1.6e-2, rtol=1.6e-2)
@@ -189,8 +190,11 @@ def test_topk_logprobs_like_torch(dtype, k):
     """EAGLE-2 trees' child selection: the k best of each row (8,192-token draft vocabularies, and
     a row shorter than a vector), ties to the first index, with their log-softmax values."""
     g = _gen(5)
-    for x in (torch.randn(9, 8192, generator=g).to(dtype), torch.randn(2, max(k, 13), generator=g).to(dtype),
-              torch.randint(0, 3, (4, 1000), generator=g).to(dtype)):
+    for x in (
+        torch.randn(9, 8192, generator=g).to(dtype),
+        torch.randn(2, max(k, 13), generator=g).to(dtype),
+        torch.randint(0, 3, (4, 1000), generator=g).to(dtype),
+    ):
         vals, idx = K.topk_logprobs(x, k)
         lp = torch.log_softmax(x.float(), dim=-1)
         order = torch.sort(-x.float(), dim=-1, stable=True).indices[:, :k]  # descending, first index of a tie

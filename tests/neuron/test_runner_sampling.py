@@ -82,8 +82,10 @@ def test_warm_up_leaves_nothing_behind(tiny_llama_dir):
     """The start-up warm-up prefill (max_num_batched_tokens tokens over the first KV blocks)
     holds no request afterwards, and a request served on those same blocks - with their stale
     K/V from the warm-up - decodes what a fresh runner decodes, greedy and seeded."""
-    reqs = [("g", [5, 6, 7, 8, 9], SamplingParams(temperature=0.0), 0),
-            ("s", [3, 1, 4, 1, 5], SamplingParams(temperature=1.0, seed=7), 1)]
+    reqs = [
+        ("g", [5, 6, 7, 8, 9], SamplingParams(temperature=0.0), 0),
+        ("s", [3, 1, 4, 1, 5], SamplingParams(temperature=1.0, seed=7), 1),
+    ]
     fresh, _ = run(tiny_llama_dir, reqs)
     sched = MiniScheduler(make_runner(tiny_llama_dir, max_num_batched_tokens=256, num_kv_blocks=80), chunk=5)
     assert sched.runner.warm_up() > 0

@@ -44,22 +44,26 @@ def test_seeded_requests_are_reproducible_regardless_of_batch():
     a, _ = Sampler([0], seed=1)(lg, [st(temperature=1.0, gen_seed=7), st(temperature=1.0), st(temperature=1.0)])
     b, _ = Sampler([0], seed=2)(lg[[0]], [st(temperature=1.0, gen_seed=7)])
     assert a[0] == b[0]
+
     # the generator advances: a seeded request draws different tokens over steps, the same sequence each run
     def draws(seed):
         s, r = Sampler([0]), st(temperature=1.0, gen_seed=seed)
         return [s(torch.zeros(1, V), [r])[0][0] for _ in range(20)]
+
     assert draws(3) == draws(3) and len(set(draws(3))) > 5
 
 
 def test_sampling_follows_the_distribution_with_top_k_top_p_min_p():
     lg = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05] + [1e-9] * (V - 4)]))
     s = Sampler([49], seed=0)
+
     def counts(**kw):
         r = st(temperature=1.0, **kw)
         c = torch.zeros(V)
         for _ in range(2000):
             c[s(lg, [r])[0][0]] += 1
         return c / 2000
+
     f = counts()
     assert abs(f[0] - 0.5) < 0.05 and abs(f[1] - 0.3) < 0.05
     assert counts(top_k=2)[2:].sum() == 0
@@ -127,8 +131,9 @@ def test_verify_greedy_accepts_the_matching_prefix_then_samples():
     wrong = (top[1] + 1) % V
     # request 1: first draft right, second wrong -> 1 accepted + the target's token there
     # request 2: both drafts right -> 2 accepted + a bonus token from the last row
-    out = s.verify(torch.cat([lg[:3], lg[:3]]), [st(temperature=0.0), st(temperature=0.0)],
-                   [[top[0], wrong], [top[0], top[1]]])
+    out = s.verify(
+        torch.cat([lg[:3], lg[:3]]), [st(temperature=0.0), st(temperature=0.0)], [[top[0], wrong], [top[0], top[1]]]
+    )
     assert out == [[top[0], top[1]], [top[0], top[1], top[2]]]
 
 

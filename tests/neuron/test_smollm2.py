@@ -51,9 +51,13 @@ def test_greedy_equals_transformers_gguf(smollm2):
     assert sched.chunked
     for i, p in enumerate(prompts):
         with torch.no_grad():
-            out = ref.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                               do_sample=False, max_new_tokens=N_NEW)
-        want = out[0, len(p):].tolist()
+            out = ref.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=N_NEW,
+            )
+        want = out[0, len(p) :].tolist()
         assert got[str(i)][: len(want)] == want, (tok.decode(got[str(i)]), tok.decode(want))
         assert len(want) == N_NEW or want[-1] == 2  # transformers stops at EOS; we run on
     assert "Paris" in tok.decode(got["0"])

@@ -28,8 +28,15 @@ def _rank_main(rank: int, model_dir: str, port: int, out) -> None:
 
     # pools of different sizes (ranks size theirs from their own free memory): the start-up
     # warm-up must still run one plan on both, or its collectives would not pair up
-    got, kv_shape = _generate(model_dir, warm=True, num_workers=2, threads=1, rank=rank,
-                              num_kv_blocks=256 - 56 * rank, dist_init=f"tcp://127.0.0.1:{port}")
+    got, kv_shape = _generate(
+        model_dir,
+        warm=True,
+        num_workers=2,
+        threads=1,
+        rank=rank,
+        num_kv_blocks=256 - 56 * rank,
+        dist_init=f"tcp://127.0.0.1:{port}",
+    )
     out.put((rank, (got, kv_shape)))
     dist.barrier()  # neither rank may leave while the other still talks to it (gloo aborts)
     dist.destroy_process_group()

@@ -22,8 +22,11 @@ def test_codec_round_trip_with_tensor_frames():
         name: str
         ref: object
 
-    for t in (torch.arange(12, dtype=torch.float32).view(3, 4), torch.ones(5, dtype=torch.bfloat16),
-              torch.zeros(0, 2, dtype=torch.int64)):
+    for t in (
+        torch.arange(12, dtype=torch.float32).view(3, 4),
+        torch.ones(5, dtype=torch.bfloat16),
+        torch.zeros(0, 2, dtype=torch.int64),
+    ):
         frames = Codec.encode(StepResult(step_id=1), [t])
         assert len(frames) == 2
         back = tensor_from_frame(tensor_ref(1, t), [b"", bytes(frames[1])])
@@ -32,8 +35,13 @@ def test_codec_round_trip_with_tensor_frames():
 
 def test_codec_rejects_malformed():
     codec = Codec(ClientToEngine)
-    for junk in ([], [b""], [b"\xff\x00garbage"], Codec.encode(StepPlan(step_id=3)),
-                 [msgspec.msgpack.encode([1, "id", "not-a-list"])]):
+    for junk in (
+        [],
+        [b""],
+        [b"\xff\x00garbage"],
+        Codec.encode(StepPlan(step_id=3)),
+        [msgspec.msgpack.encode([1, "id", "not-a-list"])],
+    ):
         with pytest.raises(DecodeError):
             codec.decode(junk)
     msg, extra = codec.decode(Codec.encode(AddRequest("r", [1, 2], SamplingParams())))
@@ -42,8 +50,7 @@ def test_codec_rejects_malformed():
 
 @pytest.mark.timeout(120)
 async def test_junk_on_engine_and_control_sockets_is_dropped(tiny_llama_dir):
-    sup = Supervisor(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64, log_level="warning"),
-                     frontend=False)
+    sup = Supervisor(EngineConfig(model=tiny_llama_dir, num_kv_blocks=64, log_level="warning"), frontend=False)
     await sup.start()
     ctx = zmq.asyncio.Context()
     try:
@@ -52,9 +59,13 @@ async def test_junk_on_engine_and_control_sockets_is_dropped(tiny_llama_dir):
         junk_control = ctx.socket(zmq.DEALER)
         junk_control.setsockopt(zmq.IDENTITY, b"scheduler")  # even impersonating an actor
         junk_control.connect(sup.addresses.control)
-        for frames in ([b"\x00"], [b"\xc1"], [b"hello", b"world"],
-                       Codec.encode(StepPlan(step_id=99)),
-                       [msgspec.msgpack.encode([1, "x", [1], "bad-params"])]):
+        for frames in (
+            [b"\x00"],
+            [b"\xc1"],
+            [b"hello", b"world"],
+            Codec.encode(StepPlan(step_id=99)),
+            [msgspec.msgpack.encode([1, "x", [1], "bad-params"])],
+        ):
             await junk_engine.send_multipart(frames)
             await junk_control.send_multipart(frames)
         await asyncio.sleep(0.5)

@@ -52,8 +52,10 @@ def test_layer_equals_transformers_decoder_layer(tiny_llama_dir):
     head.init_from_target_layer(tiny_llama_dir, -1)
     layer = hf.model.layers[-1]
     with torch.no_grad():  # the checkpoint's norms are all ones: make them count
-        for ours, theirs in ((head.layer.input_layernorm, layer.input_layernorm.weight),
-                             (head.layer.post_attention_layernorm, layer.post_attention_layernorm.weight)):
+        for ours, theirs in (
+            (head.layer.input_layernorm, layer.input_layernorm.weight),
+            (head.layer.post_attention_layernorm, layer.post_attention_layernorm.weight),
+        ):
             theirs.uniform_(0.5, 1.5)
             ours.copy_(theirs)
     x = torch.randn(2, 11, 64)
@@ -94,8 +96,14 @@ def test_propose_matches_full_recompute(tiny_llama_dir, k):
     done = [0, 0, 0]
     for ns in rounds:
         starts = list(done)
-        got = propose(head, kvs, starts, [toks[i][s:s + n] for i, (s, n) in enumerate(zip(starts, ns))],
-                      [feats[i][s:s + n] for i, (s, n) in enumerate(zip(starts, ns))], k)
+        got = propose(
+            head,
+            kvs,
+            starts,
+            [toks[i][s : s + n] for i, (s, n) in enumerate(zip(starts, ns))],
+            [feats[i][s : s + n] for i, (s, n) in enumerate(zip(starts, ns))],
+            k,
+        )
         for i, n in enumerate(ns):
             done[i] += n
             want, f_all, t_all = reference_chain(head, feats[i][: done[i]], toks[i][: done[i]], k)
@@ -127,8 +135,15 @@ def test_confidence_stopped_chains_match_a_recompute(tiny_llama_dir):
     done, seen = [0] * 4, set()
     for ns in ([9, 1, 17, 5], [3, 5, 1, 2], [1, 4, 2, 3]):
         starts = list(done)
-        got = propose(head, kvs, starts, [toks[i][s:s + n] for i, (s, n) in enumerate(zip(starts, ns))],
-                      [feats[i][s:s + n] for i, (s, n) in enumerate(zip(starts, ns))], 5, min_prob=0.1)
+        got = propose(
+            head,
+            kvs,
+            starts,
+            [toks[i][s : s + n] for i, (s, n) in enumerate(zip(starts, ns))],
+            [feats[i][s : s + n] for i, (s, n) in enumerate(zip(starts, ns))],
+            5,
+            min_prob=0.1,
+        )
         for i, n in enumerate(ns):
             done[i] += n
             assert got[i] == reference_chain(head, feats[i][: done[i]], toks[i][: done[i]], 5, 0.1)[0]
@@ -174,8 +189,9 @@ def test_save_load_round_trip(tiny_llama_dir, tmp_path):
         for rows in (1, 7):  # the skinny-matmul path and oneDNN's
             y, yp = lb(f[:, :rows].bfloat16(), t[:, :rows]), packed(f[:, :rows].bfloat16(), t[:, :rows])
             torch.testing.assert_close(yp.float(), y.float(), atol=0.05, rtol=0.05)
-            torch.testing.assert_close(packed.draft_logits(yp).float(), lb.draft_logits(yp).float(),
-                                       atol=0.05, rtol=0.05)
+            torch.testing.assert_close(
+                packed.draft_logits(yp).float(), lb.draft_logits(yp).float(), atol=0.05, rtol=0.05
+            )
 
 
 @pytest.mark.parametrize("shape", ["chain", "tree"])
@@ -188,6 +204,7 @@ def test_worker_drafts_equal_a_recompute_from_the_targets_features(tmp_path, smo
     head line up (a tree's accepted path's too), and rejected positions are cropped from its KV.
     Tree paths off the first branch get accepted, their K/V moved into place, and every token is
     the target's greedy choice given the ones before it (so the moved K/V is what later steps read)."""
+    from conftest import make_tiny_model
     from transformers import AutoModelForCausalLM
 
     from axonserve.config import EngineConfig, SpeculativeConfig
@@ -195,7 +212,6 @@ def test_worker_drafts_equal_a_recompute_from_the_targets_features(tmp_path, smo
     from axonserve.protocol.messages import CachedRequestData, NewRequestData, SamplingParams, StepPlan
     from axonserve.speculative.training.evaluate import reference_tree
     from axonserve.speculative.tree import tree_path
-    from conftest import make_tiny_model
 
     target = make_tiny_model(str(tmp_path / "target"), "LlamaForCausalLM", smollm2_dir, seed=5, vocab_size=16)
     torch.manual_seed(0)
@@ -219,11 +235,17 @@ def test_worker_drafts_equal_a_recompute_from_the_targets_features(tmp_path, smo
         if step == 0:
             plan_req = dict(new=[NewRequestData("r", list(tokens), len(tokens), blocks, 0, params)])
         else:
-            plan_req = dict(cached=[CachedRequestData("r", blocks[len(have):])])
+            plan_req = dict(cached=[CachedRequestData("r", blocks[len(have) :])])
         have = blocks
-        plan = StepPlan(step, num_scheduled_tokens=[n], draft_token_ids={"r": drafts} if drafts else {},
-                        draft_parents={"r": parents} if drafts and shape == "tree" else {}, want_features=True,
-                        num_drafts={"r": k} if ends else {}, **plan_req)
+        plan = StepPlan(
+            step,
+            num_scheduled_tokens=[n],
+            draft_token_ids={"r": drafts} if drafts else {},
+            draft_parents={"r": parents} if drafts and shape == "tree" else {},
+            want_features=True,
+            num_drafts={"r": k} if ends else {},
+            **plan_req,
+        )
         res = runner.execute(plan)
         assert res.error is None, res.error
         got = res.sampled_token_ids
@@ -250,4 +272,4 @@ def test_worker_drafts_equal_a_recompute_from_the_targets_features(tmp_path, smo
     assert accepted > 0 and rejected > 0 and (moved > 0) == (shape == "tree"), (accepted, rejected, moved)
     with torch.no_grad():
         greedy = hf(torch.tensor([tokens[:-1]])).logits[0].argmax(-1)
-    assert tokens[len(prompt):] == greedy[len(prompt) - 1 :].tolist()
+    assert tokens[len(prompt) :] == greedy[len(prompt) - 1 :].tolist()

@@ -38,8 +38,14 @@ def test_paged_propose_matches_full_recompute(tiny_llama_dir, k, min_prob):
             while len(owned[i]) * BS < starts[i] + n:
                 owned[i].append(13 + len(owned[i]) + 4 * i)
         tables = [list(o[: -(-(s + n) // BS)]) for o, s, n in zip(owned, starts, ns)]
-        got = drafter.propose(tables, starts, [toks[i][s:s + n].tolist() for i, (s, n) in enumerate(zip(starts, ns))],
-                              [feats[i][s:s + n] for i, (s, n) in enumerate(zip(starts, ns))], k, min_prob)[0]
+        got = drafter.propose(
+            tables,
+            starts,
+            [toks[i][s : s + n].tolist() for i, (s, n) in enumerate(zip(starts, ns))],
+            [feats[i][s : s + n] for i, (s, n) in enumerate(zip(starts, ns))],
+            k,
+            min_prob,
+        )[0]
         for i, n in enumerate(ns):
             done[i] += n
             want, f_all, t_all = reference_chain(head, feats[i][: done[i]], toks[i][: done[i]], k, min_prob)
@@ -87,8 +93,9 @@ def test_int8_head_drafts_like_the_bf16_head(tiny_llama_dir, tmp_path):
     from axonserve.speculative.eagle import EagleHead
 
     make_head(tiny_llama_dir).save_pretrained(str(tmp_path), dtype=torch.bfloat16)
-    heads = [EagleHead.from_pretrained(str(tmp_path), tiny_llama_dir, dtype=torch.bfloat16).pack(q)
-             for q in ("", "int8")]
+    heads = [
+        EagleHead.from_pretrained(str(tmp_path), tiny_llama_dir, dtype=torch.bfloat16).pack(q) for q in ("", "int8")
+    ]
     ws = [heads[1].fc.w, heads[1].layer.packed_qkv.w, heads[1].layer.down_proj.w, heads[1].packed_lm_head.w]
     assert all(isinstance(w, QuantizedWeight) and w.method == "int8" for w in ws)
     torch.manual_seed(3)
@@ -96,8 +103,12 @@ def test_int8_head_drafts_like_the_bf16_head(tiny_llama_dir, tmp_path):
     feats = [torch.randn(n, 64).bfloat16() for _ in range(b)]
     toks = [torch.randint(0, 49152, (n,)) for _ in range(b)]
     tables = [list(range(i * 8, i * 8 + 3)) for i in range(b)]
-    got = [PagedDrafter.maybe(h, num_blocks=64, block_size=BS, max_rows=8, max_position=512).propose(
-        tables, [0] * b, [t.tolist() for t in toks], feats, 2)[0] for h in heads]
+    got = [
+        PagedDrafter.maybe(h, num_blocks=64, block_size=BS, max_rows=8, max_position=512).propose(
+            tables, [0] * b, [t.tolist() for t in toks], feats, 2
+        )[0]
+        for h in heads
+    ]
     first = sum(g[0] == w[0] for g, w in zip(*got))
     assert first >= b - 2, got  # unrelated drafters agree on ~1/512
 
@@ -119,8 +130,13 @@ def test_paged_tree_matches_full_recompute(tiny_llama_dir, width, depth, budgets
         starts = list(done)
         tables = [list(o[: -(-(s + n) // BS)]) for o, s, n in zip(owned, starts, ns)]
         got, parents = drafter.propose(
-            tables, starts, [toks[i][s:s + n].tolist() for i, (s, n) in enumerate(zip(starts, ns))],
-            [feats[i][s:s + n] for i, (s, n) in enumerate(zip(starts, ns))], max(budgets), tree=(width, depth, budgets))
+            tables,
+            starts,
+            [toks[i][s : s + n].tolist() for i, (s, n) in enumerate(zip(starts, ns))],
+            [feats[i][s : s + n] for i, (s, n) in enumerate(zip(starts, ns))],
+            max(budgets),
+            tree=(width, depth, budgets),
+        )
         for i, n in enumerate(ns):
             done[i] += n
             want = reference_tree(head, feats[i][: done[i]], toks[i][: done[i]], depth, width, budgets[i])

@@ -29,7 +29,9 @@ def test_shipped_head_agrees_with_the_target(smollm2_dir):
         "Rainbows form when sunlight passes through raindrops in the air. The light is refracted, or bent, as it "
         "enters the drop, then reflected off the back of the drop, and refracted again as it leaves. Because "
         "different colors of light bend by different amounts, the white sunlight is split into a spectrum of "
-        "colors: red, orange, yellow, green, blue, indigo and violet.", add_special_tokens=False)
+        "colors: red, orange, yellow, green, blue, indigo and violet.",
+        add_special_tokens=False,
+    )
     seq = Sequence(torch.tensor(prompt + answer), len(prompt))
     FeatureRecorder(smollm2_dir).record([seq])
     acc = top1(head, [seq], TrainConfig(ttt_steps=1))[0]
@@ -39,7 +41,16 @@ def test_shipped_head_agrees_with_the_target(smollm2_dir):
     # a batch of 20 requests cut at different answer positions: bf16 drafts as fp32 does (near-ties aside)
     bf = EagleHead.from_pretrained(SHIPPED, smollm2_dir, dtype=torch.bfloat16)
     ns = [len(prompt) + 3 * i for i in range(20)]
-    drafts = [propose(h, [DraftKV.for_head(h) for _ in ns], [0] * len(ns), [seq.ids[1:n + 1] for n in ns],
-                      [seq.feats[:n] for n in ns], 2) for h in (head, bf)]
+    drafts = [
+        propose(
+            h,
+            [DraftKV.for_head(h) for _ in ns],
+            [0] * len(ns),
+            [seq.ids[1 : n + 1] for n in ns],
+            [seq.feats[:n] for n in ns],
+            2,
+        )
+        for h in (head, bf)
+    ]
     same = sum(a[0] == b[0] for a, b in zip(*drafts))
     assert same >= 17, drafts

@@ -11,12 +11,12 @@ import random
 from collections import Counter
 
 import pytest
+from conftest import chi2, chi2_critical, hf_greedy, make_tiny_model
+
 from axonserve.actors.supervisor import Supervisor
 from axonserve.config import EngineConfig, SpeculativeConfig
 from axonserve.frontends.client import AsyncEngineClient
 from axonserve.protocol.messages import SamplingParams
-
-from conftest import chi2, chi2_critical, hf_greedy, make_tiny_model
 
 N_NEW = 24
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3, disable_by_batch_size=0, max_verify_rows=0)
@@ -98,6 +98,7 @@ async def test_greedy_identical_with_ngram_drafts(tiny_llama_dir, reference, cas
 def eagle_head_dir(tmp_path_factory, tiny_llama_dir) -> str:
     """An untrained EAGLE head for the tiny Llama (every 16th token as its draft vocabulary)."""
     import torch
+
     from axonserve.speculative.eagle import EagleHead
 
     torch.manual_seed(0)
@@ -112,8 +113,14 @@ async def test_greedy_identical_with_eagle_drafts(tiny_llama_dir, reference, eag
     """Worker rank 0 runs the head on every step's hidden states and drafts for every request
     that samples (acceptance floor 0, so an untrained head keeps drafting): outputs unchanged,
     with preemption (head state dropped and rebuilt) and 2 TP ranks (only rank 0 drafts)."""
-    spec = SpeculativeConfig(method="eagle", model=eagle_head_dir, num_speculative_tokens=3, disable_by_batch_size=0,
-                             max_verify_rows=0, min_acceptance_rate=0.0)  # 3 drafts: a chain
+    spec = SpeculativeConfig(
+        method="eagle",
+        model=eagle_head_dir,
+        num_speculative_tokens=3,
+        disable_by_batch_size=0,
+        max_verify_rows=0,
+        min_acceptance_rate=0.0,
+    )  # 3 drafts: a chain
     kw = dict(num_kv_blocks=400, block_size=4, log_level="warning", speculative=spec) | CASES[case]
     got, stats = await _run_workload(EngineConfig(model=tiny_llama_dir, **kw))
     assert got == reference
@@ -123,15 +130,28 @@ async def test_greedy_identical_with_eagle_drafts(tiny_llama_dir, reference, eag
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method", ["ngram", "eagle"])
-async def test_multi_step_takes_over_above_the_speculation_batch_limit(tiny_llama_dir, reference, eagle_head_dir,
-                                                                      method):
+async def test_multi_step_takes_over_above_the_speculation_batch_limit(
+    tiny_llama_dir, reference, eagle_head_dir, method
+):
     """--num-scheduler-steps with --speculative-config: the first prompt runs alone (speculates),
     the other six together (more than disable_by_batch_size=3: multi-step plans), the last few
     alone again; greedy outputs unchanged, and both kinds of step ran."""
-    spec = SpeculativeConfig(method=method, model=eagle_head_dir if method == "eagle" else "", num_speculative_tokens=3,
-                             disable_by_batch_size=3, min_acceptance_rate=0.0)
-    config = EngineConfig(model=tiny_llama_dir, num_kv_blocks=400, block_size=4, log_level="warning",
-                          speculative=spec, num_scheduler_steps=4, max_num_batched_tokens=64)
+    spec = SpeculativeConfig(
+        method=method,
+        model=eagle_head_dir if method == "eagle" else "",
+        num_speculative_tokens=3,
+        disable_by_batch_size=3,
+        min_acceptance_rate=0.0,
+    )
+    config = EngineConfig(
+        model=tiny_llama_dir,
+        num_kv_blocks=400,
+        block_size=4,
+        log_level="warning",
+        speculative=spec,
+        num_scheduler_steps=4,
+        max_num_batched_tokens=64,
+    )
     got, stats = await _run_workload(config)
     assert got == reference
     assert stats.num_forwards > stats.num_steps, stats  # plans of several forwards (six decoding)
@@ -154,8 +174,9 @@ async def test_draft_model_proposer_with_the_target_as_its_own_draft(tiny_llama_
 @pytest.fixture(scope="module")
 def vocab16_dir(tmp_path_factory, smollm2_dir) -> str:
     """A 16-token vocabulary: sampled distributions are estimable from a few thousand draws."""
-    return make_tiny_model(str(tmp_path_factory.mktemp("vocab16")), "LlamaForCausalLM", smollm2_dir, seed=5,
-                           vocab_size=16)
+    return make_tiny_model(
+        str(tmp_path_factory.mktemp("vocab16")), "LlamaForCausalLM", smollm2_dir, seed=5, vocab_size=16
+    )
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +184,7 @@ def vocab16_head_dir(tmp_path_factory, vocab16_dir) -> str:
     """An untrained EAGLE head for the 16-token model: its 3-wide trees cover a good share of
     the vocabulary, so paths get accepted, also off the first branch."""
     import torch
+
     from axonserve.speculative.eagle import EagleHead
 
     torch.manual_seed(0)
@@ -172,8 +194,16 @@ def vocab16_head_dir(tmp_path_factory, vocab16_dir) -> str:
 
 
 def tree_spec(head_dir: str) -> SpeculativeConfig:
-    return SpeculativeConfig(method="eagle", model=head_dir, num_speculative_tokens=6, tree_width=3, tree_depth=3,
-                             disable_by_batch_size=0, max_verify_rows=0, min_acceptance_rate=0.0)
+    return SpeculativeConfig(
+        method="eagle",
+        model=head_dir,
+        num_speculative_tokens=6,
+        tree_width=3,
+        tree_depth=3,
+        disable_by_batch_size=0,
+        max_verify_rows=0,
+        min_acceptance_rate=0.0,
+    )
 
 
 @pytest.mark.timeout(300)
@@ -228,8 +258,17 @@ async def test_sampled_outputs_keep_the_target_distribution(vocab16_dir, vocab16
     m3 = (p1[:, None, None] * p2[:, :, None] * p3).sum((0, 1))
 
     spec = NGRAM if drafts == "ngram" else tree_spec(vocab16_head_dir)
-    sup, client = await _engine(EngineConfig(model=vocab16_dir, num_kv_blocks=4000, block_size=4, log_level="warning",
-                                             speculative=spec, seed=11, max_waiting=0))  # all 1,500 queue at once
+    sup, client = await _engine(
+        EngineConfig(
+            model=vocab16_dir,
+            num_kv_blocks=4000,
+            block_size=4,
+            log_level="warning",
+            speculative=spec,
+            seed=11,
+            max_waiting=0,
+        )
+    )  # all 1,500 queue at once
     try:
         params = SamplingParams(temperature=temp, top_p=top_p, max_tokens=3, ignore_eos=True)
         outs = await asyncio.wait_for(asyncio.gather(*(_collect(client, prompt, params) for _ in range(n))), 240)
@@ -244,13 +283,16 @@ async def test_sampled_outputs_keep_the_target_distribution(vocab16_dir, vocab16
         assert stat < chi2_critical(df), (pos, stat, df)
 
 
-@pytest.mark.parametrize("bad,match", [
-    ({"method": "ngram", "tree_width": 2}, "for method \"eagle\""),
-    ({"method": "eagle", "tree_width": 4, "tree_depth": 6}, "<= 16"),
-    ({"method": "eagle", "tree_width": 4, "tree_depth": 1}, "tree_depth >= 2"),
-    ({"method": "eagle", "tree_width": 4, "min_draft_confidence": 0.2}, "for chains"),
-    ({"method": "eagle", "max_verify_rows": -1}, ">= 0"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ({"method": "ngram", "tree_width": 2}, 'for method "eagle"'),
+        ({"method": "eagle", "tree_width": 4, "tree_depth": 6}, "<= 16"),
+        ({"method": "eagle", "tree_width": 4, "tree_depth": 1}, "tree_depth >= 2"),
+        ({"method": "eagle", "tree_width": 4, "min_draft_confidence": 0.2}, "for chains"),
+        ({"method": "eagle", "max_verify_rows": -1}, ">= 0"),
+    ],
+)
 def test_bad_tree_configs_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):
         SpeculativeConfig.parse(bad)

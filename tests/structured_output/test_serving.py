@@ -11,7 +11,6 @@ import re
 
 import openai
 import pytest
-
 from frontends.server import serve
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -36,8 +35,9 @@ def server(tmp_path_factory, smollm2_dir):
     from conftest import make_tiny_llama
 
     model = make_tiny_llama(str(tmp_path_factory.mktemp("tiny-so")), smollm2_dir, vocab_size=49216)
-    with serve(model, "--max-num-seqs", "16", "--max-model-len", "512", "--num-kv-blocks", "512",
-               "--served-model-name", "tiny") as srv:
+    with serve(
+        model, "--max-num-seqs", "16", "--max-model-len", "512", "--num-kv-blocks", "512", "--served-model-name", "tiny"
+    ) as srv:
         yield srv
 
 
@@ -74,7 +74,13 @@ def test_json_object_real_model(smol):
     free = smol.chat.completions.create(model="smol", messages=msgs, max_tokens=24, temperature=0)
     with pytest.raises(ValueError):  # unconstrained, this model answers in prose
         json.loads(free.choices[0].message.content)
-    kw = {"model": "smol", "messages": msgs, "max_tokens": 80, "temperature": 0, "response_format": {"type": "json_object"}}
+    kw = {
+        "model": "smol",
+        "messages": msgs,
+        "max_tokens": 80,
+        "temperature": 0,
+        "response_format": {"type": "json_object"},
+    }
     c = smol.chat.completions.create(**kw).choices[0]
     assert c.finish_reason == "stop" and isinstance(json.loads(c.message.content), dict), c.message.content
     assert stream_text(smol.chat.completions.create(stream=True, **kw)) == (c.message.content, "stop")
@@ -95,8 +101,9 @@ def test_json_schema_every_choice_validates(oai):
 
 def test_completions_guided_extras(oai):
     def complete(temperature=1.0, **extra):
-        r = oai.completions.create(model="tiny", prompt="Answer:", max_tokens=60, temperature=temperature,
-                                   seed=5, extra_body=extra)
+        r = oai.completions.create(
+            model="tiny", prompt="Answer:", max_tokens=60, temperature=temperature, seed=5, extra_body=extra
+        )
         assert r.choices[0].finish_reason == "stop", r.choices[0].text
         return r.choices[0].text
 

@@ -13,14 +13,13 @@ import re
 import socket
 
 import pytest
+from neuron.conftest import make_runner
 
 from axonserve.engine.request import Request
 from axonserve.engine.scheduler import Scheduler, SchedulerConfig
 from axonserve.frontends.tokenizer import Tokenizer
 from axonserve.protocol.messages import ParamError, SamplingParams, StructuredOutputsParams
 from axonserve.structured_output.grammar import check, compile_grammar, json_schema
-
-from neuron.conftest import make_runner
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -51,13 +50,26 @@ def tok(padded_dir) -> Tokenizer:
     return Tokenizer.load(padded_dir)
 
 
-def run(model_dir: str, reqs: list[tuple[str, list[int], SamplingParams]], num_kv_blocks: int = 256,
-        block_size: int = 4, **runner_kw):
+def run(
+    model_dir: str,
+    reqs: list[tuple[str, list[int], SamplingParams]],
+    num_kv_blocks: int = 256,
+    block_size: int = 4,
+    **runner_kw,
+):
     """Serve `reqs` through the real Scheduler and ModelRunner in this process."""
     runner = make_runner(model_dir, num_kv_blocks=num_kv_blocks, block_size=block_size, **runner_kw)
-    sched = Scheduler(SchedulerConfig(
-        max_num_seqs=16, max_num_batched_tokens=64, max_model_len=512, block_size=block_size,
-        num_kv_blocks=num_kv_blocks, vocab_size=runner.vocab_size, eos_token_ids=frozenset(runner.eos_token_ids)))
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=16,
+            max_num_batched_tokens=64,
+            max_model_len=512,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            vocab_size=runner.vocab_size,
+            eos_token_ids=frozenset(runner.eos_token_ids),
+        )
+    )
     for rid, prompt, params in reqs:
         sched.add(Request(rid, prompt, params.validate(), max_model_len=512))
     outs: dict[str, list[int]] = {}
@@ -81,8 +93,9 @@ def run(model_dir: str, reqs: list[tuple[str, list[int], SamplingParams]], num_k
 
 
 def params(so: StructuredOutputsParams, seed: int | None, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0 if seed is None else 1.0, seed=seed, structured_outputs=so,
-                          **{"max_tokens": 120, **kw})
+    return SamplingParams(
+        temperature=0.0 if seed is None else 1.0, seed=seed, structured_outputs=so, **{"max_tokens": 120, **kw}
+    )
 
 
 def test_specs_are_checked_without_a_tokenizer():
@@ -125,18 +138,35 @@ def test_json_schema_always_valid_across_seeds_and_preemption(padded_dir, tok):
 
 def test_regex_choice_grammar_and_json_object(padded_dir, tok):
     specs = {
-        "regex": (StructuredOutputsParams(kind="regex", spec=r"[0-9]{3}-[a-z]{2,4}"),
-                  lambda s: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", s)),
-        "choice": (StructuredOutputsParams(kind="choice", spec='["yes", "no", "maybe"]'),
-                   lambda s: s in ("yes", "no", "maybe")),
-        "gbnf": (StructuredOutputsParams(kind="grammar", spec='root ::= pair pair? pair? "!"\npair ::= "ab" | "cd"'),
-                 lambda s: re.fullmatch(r"(ab|cd){1,3}!", s)),
-        "array": (json_schema({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
-                               "minItems": 1, "maxItems": 4}),
-                  lambda s: isinstance(json.loads(s), list) and 1 <= len(json.loads(s)) <= 4),
+        "regex": (
+            StructuredOutputsParams(kind="regex", spec=r"[0-9]{3}-[a-z]{2,4}"),
+            lambda s: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", s),
+        ),
+        "choice": (
+            StructuredOutputsParams(kind="choice", spec='["yes", "no", "maybe"]'),
+            lambda s: s in ("yes", "no", "maybe"),
+        ),
+        "gbnf": (
+            StructuredOutputsParams(kind="grammar", spec='root ::= pair pair? pair? "!"\npair ::= "ab" | "cd"'),
+            lambda s: re.fullmatch(r"(ab|cd){1,3}!", s),
+        ),
+        "array": (
+            json_schema(
+                {
+                    "type": "array",
+                    "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                    "minItems": 1,
+                    "maxItems": 4,
+                }
+            ),
+            lambda s: isinstance(json.loads(s), list) and 1 <= len(json.loads(s)) <= 4,
+        ),
     }
-    reqs = [(f"{name}-{seed}", [11, 12, 13 + i], params(so, seed))
-            for i, (name, (so, _)) in enumerate(specs.items()) for seed in (None, 1, 2)]
+    reqs = [
+        (f"{name}-{seed}", [11, 12, 13 + i], params(so, seed))
+        for i, (name, (so, _)) in enumerate(specs.items())
+        for seed in (None, 1, 2)
+    ]
     # any JSON object is unbounded (a random model may write a string forever), but greedy closes it
     reqs.append(("object", [11, 12], params(json_schema({"type": "object"}), None)))
     outs, finish, _, _, _ = run(padded_dir, reqs)
@@ -153,7 +183,7 @@ def test_logprobs_describe_the_constrained_distribution(padded_dir, tok):
     first = lps["c"][0]
     finite = [(t, v) for t, v in zip(first.top_ids, first.top_logprobs) if v != float("-inf")]
     assert finite and all("yes".startswith(tok.decode([t])) or "no".startswith(tok.decode([t])) for t, _ in finite)
-    assert abs(sum(2.718281828 ** v for _, v in finite) - 1.0) < 1e-3  # renormalised over allowed tokens
+    assert abs(sum(2.718281828**v for _, v in finite) - 1.0) < 1e-3  # renormalised over allowed tokens
     assert finish["c"] == "stop" and tok.decode(outs["c"]) in ("yes", "no")
 
 

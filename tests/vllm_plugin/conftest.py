@@ -22,8 +22,16 @@ def vllm_env(**extra: str) -> dict[str, str]:
     """Environment for a vLLM subprocess: this checkout's axonserve, nothing from a hub."""
     path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "VLLM_TARGET_DEVICE", "AXONSERVE_VLLM")}
-    return {**env, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false", **extra}
+    return {
+        **env,
+        "PYTHONPATH": path,
+        "PYTHONUNBUFFERED": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        **extra,
+    }
 
 
 def _unavailable(reason: str) -> None:
@@ -37,14 +45,26 @@ def _unavailable(reason: str) -> None:
 def vllm_python() -> str:
     py = os.path.join(VENV, "bin", "python")
     try:
-        r = subprocess.run([os.path.join(REPO, "scripts", "setup-vllm")], capture_output=True, text=True,
-                           timeout=1800, check=False, env={**os.environ, "AXONSERVE_VLLM_VENV": VENV})
+        r = subprocess.run(
+            [os.path.join(REPO, "scripts", "setup-vllm")],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            check=False,
+            env={**os.environ, "AXONSERVE_VLLM_VENV": VENV},
+        )
     except subprocess.TimeoutExpired:
         _unavailable("scripts/setup-vllm ran for more than 30 min")
     if r.returncode != 0:
         _unavailable(f"scripts/setup-vllm exited {r.returncode}:\n{(r.stdout + r.stderr)[-3000:]}")
-    probe = subprocess.run([py, "-c", "import axonserve.frontends.vllm_plugin.executor"], capture_output=True,
-                           text=True, timeout=300, env=vllm_env(), check=False)
+    probe = subprocess.run(
+        [py, "-c", "import axonserve.frontends.vllm_plugin.executor"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=vllm_env(),
+        check=False,
+    )
     if probe.returncode != 0:
         _unavailable(f"the plugin does not import there:\n{probe.stderr[-3000:]}")
     return py
@@ -55,8 +75,12 @@ def vllm_model(tmp_path_factory, smollm2_dir) -> str:
     """A tiny random Llama (2 layers, 4 query / 2 KV heads, SmolLM2's tokenizer) as safetensors."""
     from conftest import make_tiny_model
 
-    return make_tiny_model(str(tmp_path_factory.mktemp("vllm-tiny")), "LlamaForCausalLM", tokenizer_dir=smollm2_dir,
-                           max_position_embeddings=512)
+    return make_tiny_model(
+        str(tmp_path_factory.mktemp("vllm-tiny")),
+        "LlamaForCausalLM",
+        tokenizer_dir=smollm2_dir,
+        max_position_embeddings=512,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -35,22 +35,42 @@ def vsp(**kw) -> VSP:
 
 
 def new(rid: str, prompt: list[int], blocks: list[int], computed: int = 0, **sp) -> VNew:
-    return VNew(req_id=rid, prompt_token_ids=prompt, mm_features=[], sampling_params=vsp(temperature=0, **sp),
-                pooling_params=None, block_ids=(blocks,), num_computed_tokens=computed, lora_request=None)
+    return VNew(
+        req_id=rid,
+        prompt_token_ids=prompt,
+        mm_features=[],
+        sampling_params=vsp(temperature=0, **sp),
+        pooling_params=None,
+        block_ids=(blocks,),
+        num_computed_tokens=computed,
+        lora_request=None,
+    )
 
 
 def cached(rids, new_blocks, computed, resumed=(), all_tokens=None) -> VCached:
-    return VCached(req_ids=list(rids), resumed_req_ids=set(resumed), new_token_ids=[], all_token_ids=all_tokens or {},
-                   new_block_ids=[None if b is None else (b,) for b in new_blocks], num_computed_tokens=list(computed),
-                   num_output_tokens=[0] * len(rids))
+    return VCached(
+        req_ids=list(rids),
+        resumed_req_ids=set(resumed),
+        new_token_ids=[],
+        all_token_ids=all_tokens or {},
+        new_block_ids=[None if b is None else (b,) for b in new_blocks],
+        num_computed_tokens=list(computed),
+        num_output_tokens=[0] * len(rids),
+    )
 
 
 def sched(new_reqs=(), cached_reqs=None, n=None, finished=()) -> SchedulerOutput:
     n = n or {}
-    return SchedulerOutput(scheduled_new_reqs=list(new_reqs), scheduled_cached_reqs=cached_reqs or VCached.make_empty(),
-                           num_scheduled_tokens=n, total_num_scheduled_tokens=sum(n.values()),
-                           scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(finished),
-                           free_encoder_mm_hashes=[])
+    return SchedulerOutput(
+        scheduled_new_reqs=list(new_reqs),
+        scheduled_cached_reqs=cached_reqs or VCached.make_empty(),
+        num_scheduled_tokens=n,
+        total_num_scheduled_tokens=sum(n.values()),
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        finished_req_ids=set(finished),
+        free_encoder_mm_hashes=[],
+    )
 
 
 def round_trip(plan: StepPlan) -> StepPlan:
@@ -82,13 +102,21 @@ def check_plan_sequence(model: str) -> None:
     assert m.requests["b"].block_ids == [2, 3, 4, 5]
     # step 3: a finished; b was preempted and resumes: blocks replaced, recomputed from 0, all its tokens
     b_tokens = b_prompt + [99, 8]
-    so = sched(cached_reqs=cached(["b"], [[6, 7, 8]], [0], resumed={"b"}, all_tokens={"b": b_tokens}), n={"b": 16},
-               finished={"a"})
+    so = sched(
+        cached_reqs=cached(["b"], [[6, 7, 8]], [0], resumed={"b"}, all_tokens={"b": b_tokens}),
+        n={"b": 16},
+        finished={"a"},
+    )
     p3 = round_trip(step_plan(so, 3, m))
     assert p3.finished_request_ids == ["a", "b"] and not p3.cached  # b's old state is dropped, then re-sent
     nb = p3.new[0]
     assert (nb.request_id, nb.token_ids, nb.block_ids, nb.num_computed_tokens, nb.num_prompt_tokens) == (
-        "b", b_tokens, [6, 7, 8], 0, 40)
+        "b",
+        b_tokens,
+        [6, 7, 8],
+        0,
+        40,
+    )
     assert "a" not in m.requests
     runner_output(p3, StepResult(step_id=3), m)
     # a computed count that disagrees with vLLM's is re-sent whole, not diffed
@@ -103,13 +131,19 @@ def check_plan_sequence(model: str) -> None:
 
 def check_logprobs_output(model: str) -> None:
     m = Mirror()
-    so = sched([new("a", [5, 6, 7, 8, 9], [0], prompt_logprobs=1), new("b", [1, 2], [1], logprobs=2)],
-               n={"a": 3, "b": 2})
+    so = sched(
+        [new("a", [5, 6, 7, 8, 9], [0], prompt_logprobs=1), new("b", [1, 2], [1], logprobs=2)], n={"a": 3, "b": 2}
+    )
     p1 = step_plan(so, 1, m)
     lp_b = TokenLogprobs(logprob=-0.25, rank=1, top_ids=[42, 3], top_logprobs=[-0.25, -2.0])
     entries = [TokenLogprobs(logprob=-1.0 - i, rank=i + 2, top_ids=[50 + i], top_logprobs=[-0.5]) for i in range(3)]
-    res = StepResult(step_id=1, request_ids=["b"], sampled_token_ids=[42], logprobs=[lp_b],
-                     prompt_logprobs=[PromptLogprobs("a", 1, entries)])
+    res = StepResult(
+        step_id=1,
+        request_ids=["b"],
+        sampled_token_ids=[42],
+        logprobs=[lp_b],
+        prompt_logprobs=[PromptLogprobs("a", 1, entries)],
+    )
     out = runner_output(p1, res, m)
     assert out.prompt_logprobs_dict == {}, "a's prefill is not complete: vLLM gets its prompt logprobs at the end"
     ids, vals, ranks = out.logprobs.slice_request(1, 1)[:3]
@@ -117,8 +151,12 @@ def check_logprobs_output(model: str) -> None:
     assert out.logprobs.logprob_token_ids.shape == (2, 3)
     so = sched(cached_reqs=cached(["a"], [None], [3]), n={"a": 2})
     p2 = step_plan(so, 2, m)
-    res = StepResult(step_id=2, request_ids=["a"], sampled_token_ids=[11],
-                     prompt_logprobs=[PromptLogprobs("a", 4, [TokenLogprobs(-4.0, 5, [60], [-0.1])])])
+    res = StepResult(
+        step_id=2,
+        request_ids=["a"],
+        sampled_token_ids=[11],
+        prompt_logprobs=[PromptLogprobs("a", 4, [TokenLogprobs(-4.0, 5, [60], [-0.1])])],
+    )
     out = runner_output(p2, res, m)
     t = out.prompt_logprobs_dict["a"]
     assert t.logprob_token_ids.tolist() == [[6, 50], [7, 51], [8, 52], [9, 60]]
@@ -126,18 +164,34 @@ def check_logprobs_output(model: str) -> None:
 
 
 def check_sampling_params(model: str) -> None:
-    sp = vsp(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=3, presence_penalty=0.5, frequency_penalty=0.2,
-             repetition_penalty=1.1, min_tokens=2, stop_token_ids=[7], logit_bias={5: 200.0}, logprobs=2,
-             prompt_logprobs=1, max_tokens=9, allowed_token_ids=[5, 6, 7])
+    sp = vsp(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        min_p=0.05,
+        seed=3,
+        presence_penalty=0.5,
+        frequency_penalty=0.2,
+        repetition_penalty=1.1,
+        min_tokens=2,
+        stop_token_ids=[7],
+        logit_bias={5: 200.0},
+        logprobs=2,
+        prompt_logprobs=1,
+        max_tokens=9,
+        allowed_token_ids=[5, 6, 7],
+    )
     ours = sampling_params(sp)
     assert (ours.temperature, ours.top_p, ours.top_k, ours.min_p, ours.seed) == (0.7, 0.9, 20, 0.05, 3)
     assert (ours.presence_penalty, ours.frequency_penalty, ours.repetition_penalty) == (0.5, 0.2, 1.1)
     assert ours.stop_token_ids == [2, 7] and ours.ignore_eos and ours.min_tokens == 2 and ours.max_tokens is None
     assert ours.logit_bias == {5: 100.0} and ours.allowed_token_ids == [5, 6, 7]
     assert (ours.logprobs, ours.prompt_logprobs) == (2, 1)
-    for bad, what in (({"bad_words": ["x"]}, "bad_words"),
-                      ({"structured_outputs": StructuredOutputsParams(regex="a+")}, "structured outputs"),
-                      ({"logprobs": -1}, "logprobs")):
+    for bad, what in (
+        ({"bad_words": ["x"]}, "bad_words"),
+        ({"structured_outputs": StructuredOutputsParams(regex="a+")}, "structured outputs"),
+        ({"logprobs": -1}, "logprobs"),
+    ):
         try:
             sampling_params(vsp(**bad))
         except NotImplementedError as e:
@@ -164,8 +218,15 @@ def check_executor_rpcs(model: str) -> None:
     from axonserve.frontends.vllm_plugin.executor import AxonExecutor
 
     kv_bytes = 1 << 20
-    vc = EngineArgs(model=model, dtype="float32", max_model_len=64, seed=0, enforce_eager=True,
-                    distributed_executor_backend=EXECUTOR, kv_cache_memory_bytes=kv_bytes).create_engine_config()
+    vc = EngineArgs(
+        model=model,
+        dtype="float32",
+        max_model_len=64,
+        seed=0,
+        enforce_eager=True,
+        distributed_executor_backend=EXECUTOR,
+        kv_cache_memory_bytes=kv_bytes,
+    ).create_engine_config()
     ex = AxonExecutor(vc)
     try:
         specs = ex.get_kv_cache_specs()
@@ -176,11 +237,13 @@ def check_executor_rpcs(model: str) -> None:
         assert ex.determine_available_memory() == [kv_bytes]
         assert ex.get_supported_kv_cache_layouts() == [["LBNHC"]]
         assert ex.supported_tasks == ("generate",)
-        for call, name in ((lambda: ex.collective_rpc("sleep"), "'sleep'"),
-                           (lambda: ex.collective_rpc("add_lora", args=(None,)), "'add_lora'"),
-                           (lambda: ex.save_sharded_state("/nonexistent"), "'save_sharded_state'"),
-                           (lambda: ex.collective_rpc(lambda w: 1), "callable"),
-                           (lambda: ex.set_kv_cache_layout("LBHNC"), "LBHNC")):
+        for call, name in (
+            (lambda: ex.collective_rpc("sleep"), "'sleep'"),
+            (lambda: ex.collective_rpc("add_lora", args=(None,)), "'add_lora'"),
+            (lambda: ex.save_sharded_state("/nonexistent"), "'save_sharded_state'"),
+            (lambda: ex.collective_rpc(lambda w: 1), "callable"),
+            (lambda: ex.set_kv_cache_layout("LBHNC"), "LBHNC"),
+        ):
             try:
                 call()
             except NotImplementedError as e:
@@ -203,8 +266,16 @@ def check_unsupported_features(model: str) -> None:
 
     from axonserve.frontends.vllm_plugin.executor import AxonExecutor
 
-    vc = EngineArgs(model=model, dtype="float32", max_model_len=64, seed=0, enforce_eager=True, kv_cache_dtype="fp8",
-                    distributed_executor_backend=EXECUTOR, kv_cache_memory_bytes=1 << 20).create_engine_config()
+    vc = EngineArgs(
+        model=model,
+        dtype="float32",
+        max_model_len=64,
+        seed=0,
+        enforce_eager=True,
+        kv_cache_dtype="fp8",
+        distributed_executor_backend=EXECUTOR,
+        kv_cache_memory_bytes=1 << 20,
+    ).create_engine_config()
     try:
         AxonExecutor(vc).shutdown()
     except NotImplementedError as e:

@@ -24,16 +24,25 @@ def main() -> None:
     model, spec_path, out_path = sys.argv[1:4]
     with open(spec_path) as f:
         spec = json.load(f)
-    llm = LLM(model, distributed_executor_backend=EXECUTOR, dtype="float32", max_model_len=spec["max_model_len"],
-              seed=0, enforce_eager=True, kv_cache_memory_bytes=spec["kv_cache_memory_bytes"],
-              profiler_config={"profiler": "torch", "torch_profiler_dir": spec["profile_dir"]})
+    llm = LLM(
+        model,
+        distributed_executor_backend=EXECUTOR,
+        dtype="float32",
+        max_model_len=spec["max_model_len"],
+        seed=0,
+        enforce_eager=True,
+        kv_cache_memory_bytes=spec["kv_cache_memory_bytes"],
+        profiler_config={"profiler": "torch", "torch_profiler_dir": spec["profile_dir"]},
+    )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     n = spec["max_tokens"]
-    greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3),
-                          use_tqdm=False)
+    greedy = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3), use_tqdm=False
+    )
     scored = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2), use_tqdm=False)
-    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=7, max_tokens=8, ignore_eos=True,
-                            repetition_penalty=1.2)
+    seeded = SamplingParams(
+        temperature=0.9, top_p=0.95, top_k=40, seed=7, max_tokens=8, ignore_eos=True, repetition_penalty=1.2
+    )
     sampled = [llm.generate(prompts[:1], seeded, use_tqdm=False)[0].outputs[0].token_ids for _ in range(2)]
     llm.start_profile()  # vLLM's profiler calls -> torch.profiler on every axonserve rank
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)

@@ -25,13 +25,26 @@ def offline(vllm_python, vllm_model, tmp_path_factory):
     prompts = [tok(t)["input_ids"] for t in TEXTS]
     d = tmp_path_factory.mktemp("vllm-offline")
     spec, out, log = d / "spec.json", d / "out.json", d / "vllm.log"
-    spec.write_text(json.dumps({"prompts": prompts, "max_tokens": MAX_TOKENS, "max_model_len": 256,
-                                "kv_cache_memory_bytes": 4 << 20, "profile_dir": str(d / "traces")}))
+    spec.write_text(
+        json.dumps(
+            {
+                "prompts": prompts,
+                "max_tokens": MAX_TOKENS,
+                "max_model_len": 256,
+                "kv_cache_memory_bytes": 4 << 20,
+                "profile_dir": str(d / "traces"),
+            }
+        )
+    )
     script = os.path.join(os.path.dirname(__file__), "offline_llm.py")
     with open(log, "w") as f:
-        proc = subprocess.Popen([vllm_python, script, vllm_model, str(spec), str(out)], stdout=f,
-                                stderr=subprocess.STDOUT, env=vllm_env(VLLM_TARGET_DEVICE="cpu"),
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [vllm_python, script, vllm_model, str(spec), str(out)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=vllm_env(VLLM_TARGET_DEVICE="cpu"),
+            start_new_session=True,
+        )
         try:
             rc = proc.wait(600)
         except subprocess.TimeoutExpired:

@@ -21,8 +21,15 @@ PROMPT = [500 + 7 * i for i in range(12)]
 
 
 def _config(model: str, **kw) -> EngineConfig:
-    return EngineConfig(model=model, num_kv_blocks=8, max_model_len=128, heartbeat_timeout_s=60.0,
-                        ready_timeout_s=120.0, failure_grace_s=0.5, **kw)
+    return EngineConfig(
+        model=model,
+        num_kv_blocks=8,
+        max_model_len=128,
+        heartbeat_timeout_s=60.0,
+        ready_timeout_s=120.0,
+        failure_grace_s=0.5,
+        **kw,
+    )
 
 
 def _plan(step_id: int = 1) -> StepPlan:
@@ -84,8 +91,9 @@ time.sleep(600)
 def test_killed_executor_process_takes_its_ranks_along(vllm_model):
     """What vLLM's API server does to EngineCore on shutdown (SIGKILL, no teardown): the
     lifeline pipe closes and the host shuts the ranks down."""
-    proc = subprocess.Popen([sys.executable, "-c", _EXECUTOR, vllm_model], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _EXECUTOR, vllm_model], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     pids: list[int] = []
     run_dir = ""
     try:

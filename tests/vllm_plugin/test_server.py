@@ -45,14 +45,40 @@ def server(vllm_python, vllm_model, tmp_path_factory):
     block_bytes = BLOCK * ModelConfig.from_dir(vllm_model).kv_bytes_per_token("float32", TP)  # one rank's block
     port = free_port()
     log_path = str(tmp_path_factory.mktemp("vllm-server") / "server.log")
-    cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", vllm_model,
-           "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--max-model-len", str(MAX_LEN), "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", "8",
-           "--block-size", str(BLOCK), "--kv-cache-memory-bytes", str(KV_BLOCKS * block_bytes),
-           "--tensor-parallel-size", str(TP), "--seed", "0", "--enforce-eager"]
+    cmd = [
+        vllm_python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        vllm_model,
+        "--served-model-name",
+        MODEL,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(MAX_LEN),
+        "--max-num-batched-tokens",
+        str(BUDGET),
+        "--max-num-seqs",
+        "8",
+        "--block-size",
+        str(BLOCK),
+        "--kv-cache-memory-bytes",
+        str(KV_BLOCKS * block_bytes),
+        "--tensor-parallel-size",
+        str(TP),
+        "--seed",
+        "0",
+        "--enforce-eager",
+    ]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=vllm_env(AXONSERVE_VLLM="1"),
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=vllm_env(AXONSERVE_VLLM="1"), start_new_session=True
+        )
     srv = Server(f"http://127.0.0.1:{port}", proc, log_path)
     try:
         for _ in range(600):  # up to 5 min on a loaded machine
@@ -76,8 +102,15 @@ def _prompt(i: int, n: int = 32) -> list[int]:
 
 
 async def _complete(c: httpx.AsyncClient, url: str, prompt: list[int], n: int, **extra) -> dict:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, **extra}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
     r = await c.post(url + "/v1/completions", json=body)
     assert r.status_code == 200, r.text
     return r.json()
@@ -103,8 +136,16 @@ def test_concurrent_greedy_through_chunked_prefill_and_preemption(server, hf_mod
 
 def test_streaming_completion(server, hf_model):
     prompt = _prompt(7, 40)
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 20,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+    }
     ids, chunks, usage = [], 0, None
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=300) as r:
         assert r.status_code == 200
@@ -121,8 +162,15 @@ def test_streaming_completion(server, hf_model):
 
 
 def test_streaming_chat(server, hf_model):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Name three rivers in Europe."}],
-            "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Name three rivers in Europe."}],
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
     prompt, ids, text = None, [], ""
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=300) as r:
         assert r.status_code == 200
@@ -157,8 +205,14 @@ def test_prefix_cache_hit(server, hf_model):
 def test_abandoned_stream_then_exact_output(server, hf_model):
     """A client that disconnects mid-stream is aborted by vLLM (its id reaches the ranks as
     finished); the next request is unaffected."""
-    body = {"model": MODEL, "prompt": _prompt(13), "max_tokens": 80, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": _prompt(13),
+        "max_tokens": 80,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=300) as r:
         for n, _ in enumerate(r.iter_lines()):
             if n >= 6:

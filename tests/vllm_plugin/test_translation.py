@@ -13,15 +13,28 @@ import pytest
 
 from tests.vllm_plugin.conftest import vllm_env
 
-CHECKS = ["plan_sequence", "logprobs_output", "sampling_params", "executor_rpcs", "unsupported_features",
-          "plugin_entry_point", "version_guard"]
+CHECKS = [
+    "plan_sequence",
+    "logprobs_output",
+    "sampling_params",
+    "executor_rpcs",
+    "unsupported_features",
+    "plugin_entry_point",
+    "version_guard",
+]
 
 
 @pytest.fixture(scope="module")
 def inside_run(vllm_python, vllm_model) -> str:
     script = os.path.join(os.path.dirname(__file__), "inside_vllm.py")
-    r = subprocess.run([vllm_python, script, vllm_model, *CHECKS], capture_output=True, text=True, timeout=600,
-                       env=vllm_env(VLLM_TARGET_DEVICE="cpu"), check=False)
+    r = subprocess.run(
+        [vllm_python, script, vllm_model, *CHECKS],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=vllm_env(VLLM_TARGET_DEVICE="cpu"),
+        check=False,
+    )
     return r.stdout + r.stderr
 
 

@@ -51,8 +51,12 @@ class FrontendActor(Actor):
         sock = socket.create_server((self.config.host, self.config.port), family=family)
         port = sock.getsockname()[1]
         cfg = uvicorn.Config(
-            self.app, log_level="warning", lifespan="off", access_log=False,
-            timeout_graceful_shutdown=2, timeout_keep_alive=30,
+            self.app,
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            timeout_graceful_shutdown=2,
+            timeout_keep_alive=30,
         )
         self._server = _Server(cfg)
         self._serve_task = asyncio.create_task(self._server.serve(sockets=[sock]), name="uvicorn")

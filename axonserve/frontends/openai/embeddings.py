@@ -47,8 +47,9 @@ class EmbeddingRequest(BaseModel):
         else:
             items = list(x)  # type: ignore[arg-type]
         if not items or any(len(i) == 0 for i in items):
-            raise ParamError("input", "input must be a non-empty string, token list, or list of them, "
-                                      "without empty entries")
+            raise ParamError(
+                "input", "input must be a non-empty string, token list, or list of them, without empty entries"
+            )
         return items
 
 
@@ -78,13 +79,15 @@ def encode_vector(vec: np.ndarray, encoding_format: str) -> list[float] | str:
     return vec.tolist()
 
 
-async def create_embeddings(client: AsyncEngineClient, body: EmbeddingRequest, model_name: str,
-                            rid: str) -> Response:
+async def create_embeddings(client: AsyncEngineClient, body: EmbeddingRequest, model_name: str, rid: str) -> Response:
     """Validate every input, embed them all concurrently, answer in input order."""
     client.require_task("embed", "Embeddings API")
     if body.dimensions is not None:
-        raise ParamError("dimensions", f"The model `{model_name}` does not support matryoshka "
-                                       "representation: `dimensions` cannot change its output size")
+        raise ParamError(
+            "dimensions",
+            f"The model `{model_name}` does not support matryoshka "
+            "representation: `dimensions` cannot change its output size",
+        )
     items = body.inputs()
     if len(items) > client.info.limits.max_fanout:
         raise ParamError("input", f"at most {client.info.limits.max_fanout} inputs per request")
@@ -100,12 +103,20 @@ async def create_embeddings(client: AsyncEngineClient, body: EmbeddingRequest, m
     pooling = PoolingParams(normalize=body.normalize)
     try:
         outs: list[EmbeddingOutput] = await asyncio.gather(
-            *(client.embed(x, request_id=f"{rid}-{i}", pooling=pooling) for i, x in enumerate(ids)))
+            *(client.embed(x, request_id=f"{rid}-{i}", pooling=pooling) for i, x in enumerate(ids))
+        )
     except RequestError as e:
         return error_response(e.status, str(e))
-    data = [EmbeddingData(index=i, embedding=encode_vector(o.embedding.numpy(), body.encoding_format))
-            for i, o in enumerate(outs)]
+    data = [
+        EmbeddingData(index=i, embedding=encode_vector(o.embedding.numpy(), body.encoding_format))
+        for i, o in enumerate(outs)
+    ]
     n = sum(o.num_prompt_tokens for o in outs)
-    resp = EmbeddingResponse(id=rid, created=int(time.time()), model=model_name, data=data,
-                             usage=EmbeddingUsage(prompt_tokens=n, total_tokens=n))
+    resp = EmbeddingResponse(
+        id=rid,
+        created=int(time.time()),
+        model=model_name,
+        data=data,
+        usage=EmbeddingUsage(prompt_tokens=n, total_tokens=n),
+    )
     return JSONResponse(resp.model_dump())

@@ -29,9 +29,17 @@ def api_key_from_env() -> str | None:
 
 async def send_error(send: Send, status: int, message: str, type_: str, headers: list | None = None) -> None:
     body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": status}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()), *(headers or [])]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or []),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -52,8 +60,13 @@ class ApiKeyAuth:
         if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in PUBLIC_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._key):
-                await send_error(send, 401, "Unauthorized: missing or invalid API key", "AuthenticationError",
-                                 [(b"www-authenticate", b"Bearer")])
+                await send_error(
+                    send,
+                    401,
+                    "Unauthorized: missing or invalid API key",
+                    "AuthenticationError",
+                    [(b"www-authenticate", b"Bearer")],
+                )
                 return
         await self.app(scope, receive, send)
 
@@ -95,5 +108,6 @@ class BodyLimit:
         await self.app(scope, replay_receive, send)
 
     async def _too_large(self, send: Send) -> None:
-        await send_error(send, 413, f"request body is larger than the limit of {self.max_bytes} bytes",
-                         "RequestTooLargeError")
+        await send_error(
+            send, 413, f"request body is larger than the limit of {self.max_bytes} bytes", "RequestTooLargeError"
+        )

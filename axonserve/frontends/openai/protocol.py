@@ -370,12 +370,23 @@ class ErrorResponse(BaseModel):
 
 
 # OpenAI error `type` by HTTP status (anything else: InternalServerError)
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 408: "TimeoutError",
-               409: "ConflictError", 413: "RequestEntityTooLarge", 501: "NotImplementedError", 503: "ServiceUnavailableError"}
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    408: "TimeoutError",
+    409: "ConflictError",
+    413: "RequestEntityTooLarge",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+}
 
 
 def error_response(status: int, message: str, type_: str | None = None, param: str | None = None) -> JSONResponse:
     """OpenAI error JSON with its status code; the type follows the status unless given."""
-    body = ErrorResponse(error=ErrorInfo(message=message, type=type_ or ERROR_TYPES.get(status, "InternalServerError"),
-                                         param=param, code=status))
+    body = ErrorResponse(
+        error=ErrorInfo(
+            message=message, type=type_ or ERROR_TYPES.get(status, "InternalServerError"), param=param, code=status
+        )
+    )
     return JSONResponse(body.model_dump(), status_code=status)

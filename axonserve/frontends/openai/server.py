@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
-from contextvars import ContextVar
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 import jinja2
@@ -34,7 +34,6 @@ from axonserve.frontends.openai.embeddings import EmbeddingRequest, create_embed
 from axonserve.frontends.openai.middleware import ApiKeyAuth, BodyLimit, api_key_from_env
 from axonserve.frontends.openai.protocol import (
     ERROR_TYPES,
-    error_response,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -48,19 +47,20 @@ from axonserve.frontends.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
     PromptLogprob,
     PromptLogprobList,
-    DetokenizeRequest,
-    request_id,
-    DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
     TopLogprob,
     UsageInfo,
+    error_response,
+    request_id,
 )
 from axonserve.frontends.openai.tools import ToolCallFormatter, plan_tools, template_messages
 from axonserve.multimodal.frontend import ImageInputs, PromptImages, has_images, take_images
@@ -100,14 +100,21 @@ class AccessLog:
             t0 = rec.pop("t0")
             fields = {k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()}
             emit = log.debug if scope["path"] in _QUIET_PATHS else log.info
-            emit("access", method=scope["method"], path=scope["path"],
-                 seconds=round(time.perf_counter() - t0, 4), **fields)
+            emit(
+                "access",
+                method=scope["method"],
+                path=scope["path"],
+                seconds=round(time.perf_counter() - t0, 4),
+                **fields,
+            )
 
 
 def _note_access(**fields: Any) -> None:
     rec = _access.get()
     if rec is not None:
         rec.update(fields)
+
+
 T = TypeVar("T")
 _LONG_PROMPT_CHARS = 4096  # tokenize longer prompts off the event loop
 _IMAGE_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="images")  # decoding and fetching
@@ -162,8 +169,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
-def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
-              metrics: Callable[[], Awaitable[str]] | None = None, api_key: str | None = None) -> FastAPI:
+def build_app(
+    client: AsyncEngineClient,
+    config: EngineConfig | None = None,
+    metrics: Callable[[], Awaitable[str]] | None = None,
+    api_key: str | None = None,
+) -> FastAPI:
     """The FastAPI app. `app.state.unhealthy` (a reason string) turns /health to 503.
     `metrics` returns the Prometheus text exposition (the metrics actor's) for `/metrics`.
     `api_key` (default: from the environment) guards every route but the probes (middleware.py)."""
@@ -175,8 +186,13 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
     if key:
         app.add_middleware(ApiKeyAuth, api_key=key)
     if cfg.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=cfg.allowed_origins, allow_methods=cfg.allowed_methods,
-                           allow_headers=cfg.allowed_headers, allow_credentials=cfg.allow_credentials)
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=cfg.allowed_origins,
+            allow_methods=cfg.allowed_methods,
+            allow_headers=cfg.allowed_headers,
+            allow_credentials=cfg.allow_credentials,
+        )
     app.add_middleware(AccessLog)
     app.state.unhealthy = None
     model_name = client.info.served_model_name or (config and config.served_model_name) or client.info.model
@@ -200,8 +216,18 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
 
     # Known classes go through ExceptionMiddleware (handled, not re-raised); the bare
     # Exception entry is the last resort (Starlette logs those as server errors too).
-    for cls in (ParamError, ValueError, TypeError, OverflowError, jinja2.TemplateError, LookupError,
-                EngineDeadError, RequestError, NotImplementedError, Exception):
+    for cls in (
+        ParamError,
+        ValueError,
+        TypeError,
+        OverflowError,
+        jinja2.TemplateError,
+        LookupError,
+        EngineDeadError,
+        RequestError,
+        NotImplementedError,
+        Exception,
+    ):
         app.add_exception_handler(cls, _on_error)
 
     # ------------------------------------------------------------------ helpers
@@ -222,28 +248,38 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
 
     limits = client.info.limits
 
-    async def encode_chat(messages: list[dict[str, Any]], body: ChatCompletionRequest | TokenizeRequest,
-                          extra: dict[str, Any] | None = None) -> list[int]:
+    async def encode_chat(
+        messages: list[dict[str, Any]],
+        body: ChatCompletionRequest | TokenizeRequest,
+        extra: dict[str, Any] | None = None,
+    ) -> list[int]:
         """The chat prompt's ids: the template rendered and the text encoded on the template pool,
         under the time limit; a request's own template only with --trust-request-chat-template."""
-        override, variables = request_template(body.chat_template, body.chat_template_kwargs,
-                                               cfg.trust_request_chat_template)
+        override, variables = request_template(
+            body.chat_template, body.chat_template_kwargs, cfg.trust_request_chat_template
+        )
         kwargs = {**(extra or {}), **variables, **({"chat_template": override} if override is not None else {})}
 
         def work() -> list[int]:
-            return client.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt,
-                                                continue_final_message=body.continue_final_message, **kwargs)
+            return client.tokenizer.encode_chat(
+                messages,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                **kwargs,
+            )
 
         max_chars = max(1 << 20, 64 * client.info.max_model_len)
         return await render_bounded(work, cfg.chat_template_timeout_s, max_chars)
 
     async def constrained(params: SamplingParams, body: Any, tool_spec: Any = None) -> SamplingParams:
         """The request's structured-output constraint, size-checked then compiled off the loop."""
-        return await asyncio.to_thread(with_structured_outputs, params, body, client.tokenizer, tool_spec,
-                                       limits.max_structured_output_bytes)
+        return await asyncio.to_thread(
+            with_structured_outputs, params, body, client.tokenizer, tool_spec, limits.max_structured_output_bytes
+        )
 
-    def start(prompts: list[list[int]], params: SamplingParams, rid: str,
-              images: PromptImages | None = None) -> list[AsyncGenerator[StreamOutput, None]]:
+    def start(
+        prompts: list[list[int]], params: SamplingParams, rid: str, images: PromptImages | None = None
+    ) -> list[AsyncGenerator[StreamOutput, None]]:
         reason = unavailable()
         if reason is not None:
             raise EngineDeadError(reason)
@@ -265,8 +301,9 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, root=client.info.model,
-                                         max_model_len=client.info.max_model_len)])
+        return ModelList(
+            data=[ModelCard(id=model_name, root=client.info.model, max_model_len=client.info.max_model_len)]
+        )
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -293,8 +330,9 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
         rid = request_id(body.request_id, "chatcmpl", limits.max_request_id_chars)
         if body.tools is not None and len(body.tools) > limits.max_tools:
             raise ParamError("tools", f"at most {limits.max_tools} tools per request")
-        tools = plan_tools(body.tools, body.tool_choice, cfg.enable_auto_tool_choice, cfg.tool_call_parser,
-                           body.parallel_tool_calls)
+        tools = plan_tools(
+            body.tools, body.tool_choice, cfg.enable_auto_tool_choice, cfg.tool_call_parser, body.parallel_tool_calls
+        )
         params = await constrained(body.sampling_params(), body, tools.structured if tools else None)
         messages = template_messages([m.model_dump(exclude_none=True) for m in body.messages])
         urls: list[str] = []
@@ -337,8 +375,12 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
             ids = await encode_chat([m.model_dump(exclude_none=True) for m in body.messages], body)
         else:
             ids = await asyncio.to_thread(tok.hf.encode, body.prompt, add_special_tokens=body.add_special_tokens)
-        return TokenizeResponse(count=len(ids), max_model_len=client.info.max_model_len, tokens=ids,
-                                token_strs=tok.hf.convert_ids_to_tokens(ids) if body.return_token_strs else None)
+        return TokenizeResponse(
+            count=len(ids),
+            max_model_len=client.info.max_model_len,
+            tokens=ids,
+            token_strs=tok.hf.convert_ids_to_tokens(ids) if body.return_token_strs else None,
+        )
 
     @app.post("/detokenize")
     async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
@@ -377,8 +419,9 @@ def build_app(client: AsyncEngineClient, config: EngineConfig | None = None,
         # the ranks write their traces on threads; answer when they are on disk (200) or, past
         # the wait, say they are still being written (202): the engine never waits for them
         written = await _wait_for_files(st.files, _TRACE_WAIT_S)
-        return JSONResponse({"status": "stopped" if written else "writing", "files": st.files},
-                            status_code=200 if written else 202)
+        return JSONResponse(
+            {"status": "stopped" if written else "writing", "files": st.files}, status_code=200 if written else 202
+        )
 
     return app
 
@@ -390,8 +433,9 @@ async def _first_output(stream: AsyncGenerator[StreamOutput, None]) -> StreamOut
         return None
 
 
-async def _stream_response(raw: Request, fmt: "_Format", streams: list[AsyncGenerator[StreamOutput, None]],
-                           n: int, include_usage: bool) -> Response:
+async def _stream_response(
+    raw: Request, fmt: "_Format", streams: list[AsyncGenerator[StreamOutput, None]], n: int, include_usage: bool
+) -> Response:
     """Wait for a single stream's first output before committing to HTTP 200, so a request
     the engine rejects at once (overload 503, bad input 400) gets a real status code. While it
     waits (queued behind others) a client that leaves has its request aborted before prefill."""
@@ -408,8 +452,9 @@ async def _stream_response(raw: Request, fmt: "_Format", streams: list[AsyncGene
     return _sse(fmt, streams, n, include_usage)
 
 
-async def _prepend(first: StreamOutput | None, rest: AsyncGenerator[StreamOutput, None]
-                   ) -> AsyncGenerator[StreamOutput, None]:
+async def _prepend(
+    first: StreamOutput | None, rest: AsyncGenerator[StreamOutput, None]
+) -> AsyncGenerator[StreamOutput, None]:
     async with aclosing(rest):
         if first is not None:
             yield first
@@ -425,8 +470,9 @@ class _Format:
 
     Choice `index` is prompt j's choice i at j * n + i; `prompts` holds each prompt's ids."""
 
-    def __init__(self, client: AsyncEngineClient, rid: str, model: str, params: SamplingParams,
-                 prompts: list[list[int]]):
+    def __init__(
+        self, client: AsyncEngineClient, rid: str, model: str, params: SamplingParams, prompts: list[list[int]]
+    ):
         self.client, self.rid, self.model, self.params = client, rid, model, params
         self.prompts, self.n = prompts, params.n
         self.created = int(time.time())
@@ -505,8 +551,9 @@ class _CompletionFormat(_Format):
             lp.text_offset.append(offset)
             offset += len(tok)
             lp.token_logprobs.append(None if p is None else p.logprob)
-            lp.top_logprobs.append(None if p is None else {
-                tok: p.logprob, **{tt(t): v for t, v in zip(p.top_ids[:k], p.top_logprobs[:k])}})
+            lp.top_logprobs.append(
+                None if p is None else {tok: p.logprob, **{tt(t): v for t, v in zip(p.top_ids[:k], p.top_logprobs[:k])}}
+            )
         self._offsets[index] = offset
         return text, lp
 
@@ -529,16 +576,22 @@ class _CompletionFormat(_Format):
         text = prefix + out.text
         if not (text or out.finished or self.params.logprobs is not None or out.prompt_logprobs):
             return None
-        choice = CompletionChoice(index=index, text=text,
-                                  logprobs=_concat_logprobs(echo_lp, self.logprobs(index, out)),
-                                  finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                                  prompt_logprobs=self.prompt_logprob_list(index, out))
-        return CompletionResponse(id=self.rid, created=self.created, model=self.model,
-                                  choices=[choice]).model_dump_json()
+        choice = CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=_concat_logprobs(echo_lp, self.logprobs(index, out)),
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+            prompt_logprobs=self.prompt_logprob_list(index, out),
+        )
+        return CompletionResponse(
+            id=self.rid, created=self.created, model=self.model, choices=[choice]
+        ).model_dump_json()
 
     def usage_chunk(self, usage: UsageInfo) -> str:
-        return CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[],
-                                  usage=usage).model_dump_json()
+        return CompletionResponse(
+            id=self.rid, created=self.created, model=self.model, choices=[], usage=usage
+        ).model_dump_json()
 
     def response(self, outs: dict[int, list[StreamOutput]], usage: UsageInfo) -> CompletionResponse:
         choices = []
@@ -547,19 +600,28 @@ class _CompletionFormat(_Format):
             for o in steps:
                 merged = _concat_logprobs(merged, self.logprobs(index, o))
             last = steps[-1]
-            choices.append(CompletionChoice(
-                index=index, text=prefix + last.output_text, logprobs=merged,
-                finish_reason=last.finish_reason, stop_reason=last.stop_reason,
-                prompt_logprobs=self.prompt_logprob_list(index, steps[0])))
-        return CompletionResponse(id=self.rid, created=self.created, model=self.model,
-                                  choices=choices, usage=usage)
+            choices.append(
+                CompletionChoice(
+                    index=index,
+                    text=prefix + last.output_text,
+                    logprobs=merged,
+                    finish_reason=last.finish_reason,
+                    stop_reason=last.stop_reason,
+                    prompt_logprobs=self.prompt_logprob_list(index, steps[0]),
+                )
+            )
+        return CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage)
 
 
 def _concat_logprobs(a: CompletionLogprobs | None, b: CompletionLogprobs | None) -> CompletionLogprobs | None:
     if a is None or b is None:
         return a or b
-    return CompletionLogprobs(tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
-                              top_logprobs=a.top_logprobs + b.top_logprobs, text_offset=a.text_offset + b.text_offset)
+    return CompletionLogprobs(
+        tokens=a.tokens + b.tokens,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+        text_offset=a.text_offset + b.text_offset,
+    )
 
 
 class _ChatFormat(_Format):
@@ -571,21 +633,28 @@ class _ChatFormat(_Format):
     def logprobs(self, out: StreamOutput) -> ChatLogprobs | None:
         if self.params.logprobs is None:
             return None
-        return ChatLogprobs(content=[
-            ChatTokenLogprob(
-                token=token, logprob=logprob, bytes=list(token.encode()),
-                top_logprobs=[TopLogprob(token=t, logprob=v, bytes=list(t.encode())) for t, v in top],
-            )
-            for token, logprob, top in self.token_logprobs(out)
-        ])
+        return ChatLogprobs(
+            content=[
+                ChatTokenLogprob(
+                    token=token,
+                    logprob=logprob,
+                    bytes=list(token.encode()),
+                    top_logprobs=[TopLogprob(token=t, logprob=v, bytes=list(t.encode())) for t, v in top],
+                )
+                for token, logprob, top in self.token_logprobs(out)
+            ]
+        )
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
-        return ChatCompletionChunk(id=self.rid, created=self.created, model=self.model,
-                                   choices=choices, usage=usage).model_dump_json()
+        return ChatCompletionChunk(
+            id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage
+        ).model_dump_json()
 
     def first_chunks(self, num_choices: int) -> list[str]:
-        return [self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-                for i in range(num_choices)]
+        return [
+            self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            for i in range(num_choices)
+        ]
 
     def chunk(self, index: int, out: StreamOutput) -> str | None:
         text, calls, finish = out.text, None, out.finish_reason
@@ -594,8 +663,17 @@ class _ChatFormat(_Format):
         if not (text or calls or out.finished or self.params.logprobs is not None):
             return None
         delta = DeltaMessage(content=text or None, tool_calls=calls)
-        return self._chunk([ChatStreamChoice(index=index, delta=delta, logprobs=self.logprobs(out),
-                                             finish_reason=finish, stop_reason=out.stop_reason)])
+        return self._chunk(
+            [
+                ChatStreamChoice(
+                    index=index,
+                    delta=delta,
+                    logprobs=self.logprobs(out),
+                    finish_reason=finish,
+                    stop_reason=out.stop_reason,
+                )
+            ]
+        )
 
     def usage_chunk(self, usage: UsageInfo) -> str:
         return self._chunk([], usage)
@@ -610,12 +688,24 @@ class _ChatFormat(_Format):
             content, calls, finish = last.output_text, None, last.finish_reason
             if self.tools is not None:
                 content, calls, finish = self.tools.message(last.output_text, last.finish_reason)
-            choices.append(ChatChoice(index=index, message=ChatResponseMessage(content=content, tool_calls=calls),
-                                      logprobs=logprobs, finish_reason=finish, stop_reason=last.stop_reason))
+            choices.append(
+                ChatChoice(
+                    index=index,
+                    message=ChatResponseMessage(content=content, tool_calls=calls),
+                    logprobs=logprobs,
+                    finish_reason=finish,
+                    stop_reason=last.stop_reason,
+                )
+            )
         first = next(iter(outs.items()), None)
-        return ChatCompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices,
-                                      usage=usage,
-                                      prompt_logprobs=self.prompt_logprob_list(first[0], first[1][0]) if first else None)
+        return ChatCompletionResponse(
+            id=self.rid,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+            prompt_logprobs=self.prompt_logprob_list(first[0], first[1][0]) if first else None,
+        )
 
 
 class _Usage:
@@ -644,8 +734,9 @@ class _Usage:
 # --------------------------------------------------------------------------- streaming
 
 
-def _sse(fmt: _Format, streams: list[AsyncGenerator[StreamOutput, None]], n: int,
-         include_usage: bool) -> StreamingResponse:
+def _sse(
+    fmt: _Format, streams: list[AsyncGenerator[StreamOutput, None]], n: int, include_usage: bool
+) -> StreamingResponse:
     async def events() -> AsyncIterator[str]:
         usage = _Usage()
         try:
@@ -654,9 +745,13 @@ def _sse(fmt: _Format, streams: list[AsyncGenerator[StreamOutput, None]], n: int
             async for j, out in _merge(streams):
                 if out.finish_reason == "error":
                     code = out.error_code or 500
-                    err = ErrorResponse(error=ErrorInfo(
-                        message=out.error or "generation failed",
-                        type=ERROR_TYPES.get(code, "InternalServerError"), code=code))
+                    err = ErrorResponse(
+                        error=ErrorInfo(
+                            message=out.error or "generation failed",
+                            type=ERROR_TYPES.get(code, "InternalServerError"),
+                            code=code,
+                        )
+                    )
                     yield f"data: {err.model_dump_json()}\n\n"
                     break
                 usage.add(j, out)

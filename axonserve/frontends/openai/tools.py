@@ -120,9 +120,13 @@ class ToolPlan:
         return ToolCallFormatter(self.parser) if self.parser is not None else None
 
 
-def plan_tools(tools: list[ChatTool] | None, tool_choice: str | NamedToolChoice | None,
-               enable_auto_tool_choice: bool = False, tool_call_parser: str = "",
-               parallel_tool_calls: bool = True) -> ToolPlan | None:
+def plan_tools(
+    tools: list[ChatTool] | None,
+    tool_choice: str | NamedToolChoice | None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str = "",
+    parallel_tool_calls: bool = True,
+) -> ToolPlan | None:
     """Validate tools + tool_choice against the server's flags (ParamError -> 400).
     parallel_tool_calls=False limits tool_choice "required" to one call."""
     if not tools:
@@ -138,8 +142,9 @@ def plan_tools(tools: list[ChatTool] | None, tool_choice: str | NamedToolChoice 
         return ToolPlan(rendered, None)
     if choice == "auto":
         if not (enable_auto_tool_choice and tool_call_parser):
-            raise ParamError("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and '
-                                            "--tool-call-parser to be set")
+            raise ParamError(
+                "tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+            )
         return ToolPlan(rendered, make_parser(tool_call_parser))
     if choice == "required":
         schema = required_schema(tools, max_calls=None if parallel_tool_calls else 1)
@@ -147,8 +152,9 @@ def plan_tools(tools: list[ChatTool] | None, tool_choice: str | NamedToolChoice 
     if isinstance(choice, NamedToolChoice):
         tool = next((t for t in tools if t.function.name == choice.function.name), None)
         if tool is None:
-            raise ParamError("tool_choice", f"tool_choice names function {choice.function.name!r}, "
-                                            f"which is not in `tools`")
+            raise ParamError(
+                "tool_choice", f"tool_choice names function {choice.function.name!r}, which is not in `tools`"
+            )
         return ToolPlan(rendered, NamedToolParser(tool.function.name), json_schema(_parameters(tool)))
     raise ParamError("tool_choice", f"unsupported tool_choice {choice!r}")
 
@@ -176,12 +182,14 @@ def required_schema(tools: list[ChatTool], max_calls: int | None = None) -> dict
             if k in defs and defs[k] != v:
                 raise ParamError("tools", f"tools define `$defs/{k}` differently")
             defs[k] = v
-        branches.append({
-            "type": "object",
-            "properties": {"name": {"type": "string", "enum": [t.function.name]}, "parameters": params},
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        })
+        branches.append(
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string", "enum": [t.function.name]}, "parameters": params},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
     if max_calls is not None:
         schema["maxItems"] = max_calls
@@ -340,8 +348,19 @@ class _Call:
     `members` maps each key to (value start, value end or None while open), a later duplicate
     key replacing an earlier one; `name` is the parsed name once its value is complete."""
 
-    __slots__ = ("start", "arg_keys", "members", "end", "name", "name_bad", "_state", "_j", "_key",
-                 "_key_start", "_value")
+    __slots__ = (
+        "start",
+        "arg_keys",
+        "members",
+        "end",
+        "name",
+        "name_bad",
+        "_state",
+        "_j",
+        "_key",
+        "_key_start",
+        "_value",
+    )
 
     def __init__(self, start: int, arg_keys: tuple[str, ...]):
         self.start = start
@@ -815,8 +834,9 @@ class ToolCallFormatter:
         content, calls = found
         return content, [ToolCall(function=c) for c in calls], self._finish(finish_reason)
 
-    def delta(self, index: int, text: str, finish_reason: str | None
-              ) -> tuple[str, list[DeltaToolCall] | None, str | None]:
+    def delta(
+        self, index: int, text: str, finish_reason: str | None
+    ) -> tuple[str, list[DeltaToolCall] | None, str | None]:
         """(content, tool call fragments, finish_reason) for choice `index`'s next text."""
         st = self._streams.get(index)
         if st is None:
@@ -838,12 +858,21 @@ class ToolCallFormatter:
             if k == len(st.ids):
                 st.ids.append(call_id())
                 st.args_sent.append(n)
-                frags.append(DeltaToolCall(index=k, id=st.ids[k], type="function", function=DeltaFunctionCall(
-                    name=call.name, arguments=w.slice(*span) if span else "")))
+                frags.append(
+                    DeltaToolCall(
+                        index=k,
+                        id=st.ids[k],
+                        type="function",
+                        function=DeltaFunctionCall(name=call.name, arguments=w.slice(*span) if span else ""),
+                    )
+                )
             elif n > st.args_sent[k]:
                 assert span is not None
-                frags.append(DeltaToolCall(index=k, function=DeltaFunctionCall(
-                    arguments=w.slice(span[0] + st.args_sent[k], span[1]))))
+                frags.append(
+                    DeltaToolCall(
+                        index=k, function=DeltaFunctionCall(arguments=w.slice(span[0] + st.args_sent[k], span[1]))
+                    )
+                )
                 st.args_sent[k] = n
             if call.end is not None:  # complete and all sent
                 st.settled = k + 1
@@ -852,7 +881,7 @@ class ToolCallFormatter:
             if self.parser.calls(full) is not None:
                 finish_reason = self._finish(finish_reason)
             elif not st.ids:  # no call after all: what was held back is content
-                content += full[st.content_sent:]
+                content += full[st.content_sent :]
                 st.content_sent = len(full)
         else:
             w.trim(min(sc.need(), st.need()))

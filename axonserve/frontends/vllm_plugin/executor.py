@@ -70,17 +70,30 @@ class AxonExecutor(Executor):
             "reset_encoder_cache": lambda: None,
             "synchronize_device": lambda: None,
         }
-        log.info("vllm_plugin.executor", model=self.axon_config.model, dtype=self.axon_config.dtype,
-                 ranks=self.world, block_size=block_size, max_model_len=self.axon_config.max_model_len)
+        log.info(
+            "vllm_plugin.executor",
+            model=self.axon_config.model,
+            dtype=self.axon_config.dtype,
+            ranks=self.world,
+            block_size=block_size,
+            max_model_len=self.axon_config.max_model_len,
+        )
 
     # ------------------------------------------------------------------ control plane
 
-    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
-                       kwargs: dict | None = None, non_block: bool = False) -> Any:
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        non_block: bool = False,
+    ) -> Any:
         """Answer vLLM's worker RPCs for the axonserve ranks: one reply per rank (vLLM 'worker')."""
         if not isinstance(method, str):
             raise NotImplementedError(
-                f"axonserve's vLLM executor cannot run a callable on its ranks ({getattr(method, '__name__', method)})")
+                f"axonserve's vLLM executor cannot run a callable on its ranks ({getattr(method, '__name__', method)})"
+            )
         handler = self._rpcs.get(method)
         if handler is None:
             raise NotImplementedError(f"axonserve's vLLM executor does not support the worker RPC {method!r}")
@@ -112,11 +125,13 @@ class AxonExecutor(Executor):
         self.ranks = RankGroup(self.axon_config)
         info = self.ranks.start(self._ranks_failed)
         if int(info["num_kv_blocks"]) != self.axon_config.num_kv_blocks:
-            raise RuntimeError(f"rank 0 allocated {info['num_kv_blocks']} KV blocks, vLLM planned "
-                               f"{self.axon_config.num_kv_blocks}")
+            raise RuntimeError(
+                f"rank 0 allocated {info['num_kv_blocks']} KV blocks, vLLM planned {self.axon_config.num_kv_blocks}"
+            )
         if int(info["max_model_len"]) < int(self.axon_config.max_model_len or 0):
-            raise RuntimeError(f"the ranks serve {info['max_model_len']} tokens, vLLM plans "
-                               f"{self.axon_config.max_model_len}")
+            raise RuntimeError(
+                f"the ranks serve {info['max_model_len']} tokens, vLLM plans {self.axon_config.max_model_len}"
+            )
 
     def register_failure_callback(self, callback: Callable[[], None]) -> None:
         self._failure_callback = callback
@@ -155,14 +170,17 @@ class AxonExecutor(Executor):
         self.ranks.send(plan)
         result = self.ranks.recv(f"step {plan.step_id}")
         if not isinstance(result, StepResult) or result.step_id != plan.step_id:
-            raise RanksFailed(f"axonserve rank 0 answered out of turn: expected step {plan.step_id}, got {result!r:.200}")
+            raise RanksFailed(
+                f"axonserve rank 0 answered out of turn: expected step {plan.step_id}, got {result!r:.200}"
+            )
         if result.error:
             raise RanksFailed(f"axonserve rank 0 failed step {plan.step_id}: {result.error}")
         return runner_output(plan, result, self.mirror)
 
     def sample_tokens(self, grammar_output, non_block: bool = False) -> Any:
-        raise NotImplementedError("sample_tokens: axonserve's ranks sample within execute_model "
-                                  "(structured outputs are not supported)")
+        raise NotImplementedError(
+            "sample_tokens: axonserve's ranks sample within execute_model (structured outputs are not supported)"
+        )
 
     def take_draft_token_ids(self) -> None:
         return None  # no speculative decoding

@@ -118,8 +118,9 @@ def _check_output(so: SchedulerOutput) -> None:
 
 
 def _whole(rid: str, m: RequestMirror) -> NewRequestData:
-    return NewRequestData(rid, list(m.token_ids), m.num_prompt_tokens, list(m.block_ids), m.num_computed_tokens,
-                          m.params)
+    return NewRequestData(
+        rid, list(m.token_ids), m.num_prompt_tokens, list(m.block_ids), m.num_computed_tokens, m.params
+    )
 
 
 def step_plan(so: SchedulerOutput, step_id: int, mirror: Mirror) -> StepPlan | None:
@@ -141,8 +142,9 @@ def step_plan(so: SchedulerOutput, step_id: int, mirror: Mirror) -> StepPlan | N
     for nr in so.scheduled_new_reqs:
         _check_new(nr)
         prompt = list(nr.prompt_token_ids)
-        m = RequestMirror(sampling_params(nr.sampling_params), len(prompt), prompt, _blocks(nr.block_ids),
-                          nr.num_computed_tokens)
+        m = RequestMirror(
+            sampling_params(nr.sampling_params), len(prompt), prompt, _blocks(nr.block_ids), nr.num_computed_tokens
+        )
         if nr.req_id in mirror.requests:  # a request id the ranks still hold: replace it
             finished.add(nr.req_id)
         mirror.requests[nr.req_id] = m
@@ -155,8 +157,11 @@ def step_plan(so: SchedulerOutput, step_id: int, mirror: Mirror) -> StepPlan | N
             raise RuntimeError(f"vLLM scheduled request {rid}, which axonserve's vLLM executor never saw")
         added = _blocks(cr.new_block_ids[i])
         tokens = cr.all_token_ids.get(rid)
-        resend = (rid in cr.resumed_req_ids or m.num_computed_tokens != cr.num_computed_tokens[i]
-                  or (tokens is not None and tokens != m.token_ids))
+        resend = (
+            rid in cr.resumed_req_ids
+            or m.num_computed_tokens != cr.num_computed_tokens[i]
+            or (tokens is not None and tokens != m.token_ids)
+        )
         if resend:
             m.block_ids = added if rid in cr.resumed_req_ids else m.block_ids + added
             m.num_computed_tokens = cr.num_computed_tokens[i]
@@ -169,5 +174,10 @@ def step_plan(so: SchedulerOutput, step_id: int, mirror: Mirror) -> StepPlan | N
             m.block_ids.extend(added)
             cached.append(CachedRequestData(rid, added))
             cached_n.append(so.num_scheduled_tokens[rid])
-    return StepPlan(step_id=step_id, new=new, cached=cached, num_scheduled_tokens=new_n + cached_n,
-                    finished_request_ids=sorted(finished))
+    return StepPlan(
+        step_id=step_id,
+        new=new,
+        cached=cached,
+        num_scheduled_tokens=new_n + cached_n,
+        finished_request_ids=sorted(finished),
+    )

@@ -67,8 +67,9 @@ async def host(config: EngineConfig, status_address: str, lifeline_fd: int) -> i
         await report(ActorFailed(NAME, f"axonserve ranks failed to start: {e}"))
         return 1
     w0 = sup.children["worker-0"]
-    info = dict(w0.info, plan=sup.addresses.plan, result=sup.addresses.result,
-                pids=[c.proc.pid for c in sup.children.values()])
+    info = dict(
+        w0.info, plan=sup.addresses.plan, result=sup.addresses.result, pids=[c.proc.pid for c in sup.children.values()]
+    )
     await report(Ready(NAME, info))
     watch = asyncio.create_task(_report_failure(sup, report))
     code = await sup.wait()  # a failed rank: grace, then all stop (1); the lifeline closed (0)

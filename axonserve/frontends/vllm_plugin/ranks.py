@@ -102,9 +102,15 @@ class RankGroup:
             raise
         self._monitor = threading.Thread(target=self._watch, name="axonserve-ranks-monitor", daemon=True)
         self._monitor.start()
-        log.info("vllm_plugin.ranks_ready", ranks=self.config.num_workers, seconds=round(time.monotonic() - t0, 2),
-                 num_kv_blocks=info.get("num_kv_blocks"), host_pid=self.host_pid, rank_pids=self.rank_pids,
-                 run_dir=self.run_dir)
+        log.info(
+            "vllm_plugin.ranks_ready",
+            ranks=self.config.num_workers,
+            seconds=round(time.monotonic() - t0, 2),
+            num_kv_blocks=info.get("num_kv_blocks"),
+            host_pid=self.host_pid,
+            rank_pids=self.rank_pids,
+            run_dir=self.run_dir,
+        )
         return info
 
     def stop(self, reason: str = "vllm executor shutdown") -> None:
@@ -176,8 +182,14 @@ class RankGroup:
 
     def _spawn_host(self) -> None:
         read, self._lifeline = os.pipe()
-        cmd = [sys.executable, "-m", "axonserve.frontends.vllm_plugin.rank_host",
-               msgspec.json.encode(self.config).decode(), f"ipc://{self.run_dir}/status", str(read)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "axonserve.frontends.vllm_plugin.rank_host",
+            msgspec.json.encode(self.config).decode(),
+            f"ipc://{self.run_dir}/status",
+            str(read),
+        ]
         try:
             proc = subprocess.Popen(cmd, pass_fds=(read,), stdin=subprocess.DEVNULL, start_new_session=True)
         finally:

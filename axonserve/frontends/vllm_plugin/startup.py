@@ -86,8 +86,12 @@ def kv_cache_spec(cfg: EngineConfig) -> dict[str, KVCacheSpec]:
 
     mc = ModelConfig.from_dir(cfg.model)
     dtype = next(d for d, name in DTYPES.items() if name == cfg.dtype)
-    spec = FullAttentionSpec(block_size=cfg.block_size, num_kv_heads=max(1, mc.num_kv_heads // cfg.num_workers),
-                             head_size=mc.head_dim, dtype=dtype)
+    spec = FullAttentionSpec(
+        block_size=cfg.block_size,
+        num_kv_heads=max(1, mc.num_kv_heads // cfg.num_workers),
+        head_size=mc.head_dim,
+        dtype=dtype,
+    )
     return {f"model.layers.{i}.self_attn.attn": spec for i in range(mc.num_layers)}
 
 

@@ -19,8 +19,9 @@ if TYPE_CHECKING:
     from axonserve.neuron.layers.quant import QuantizedWeight
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None = None,
-           q: QuantizedWeight | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None = None, q: QuantizedWeight | None = None
+) -> torch.Tensor:
     """F.linear, except a single bf16 row goes through mv: CPU bf16 gemm reads weights at ~half
     the bandwidth of gemv there, and a 1-token decode step is pure weight bandwidth. With a
     quantized weight `q` (layers/quant.py) its packed kernel runs instead."""
@@ -78,7 +79,13 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Q, K and V in one matmul; heads split over ranks (K/V heads replicated if fewer than ranks)."""
 
     def __init__(
-        self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False, dtype: torch.dtype = torch.float32
+        self,
+        hidden: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
     ):
         tp = TPInfo.size
         if num_heads % tp or (num_kv_heads % tp and tp % num_kv_heads):

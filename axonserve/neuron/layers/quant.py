@@ -108,8 +108,9 @@ class PackedWeight:
         # a CPU without oneDNN's bf16 path (no AVX512-BW/VL/DQ nor AVX-NE-CONVERT) keeps the
         # dense weight: torch's own bf16 linear, slower but exact to the same rounding
         self.onednn = onednn_bf16()
-        self.data = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 32) if self.onednn \
-            else w.contiguous()  # (32: the batch oneDNN's layout is tuned for)
+        self.data = (
+            torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 32) if self.onednn else w.contiguous()
+        )  # (32: the batch oneDNN's layout is tuned for)
         self.kernels = _skinny_kernels(w) if self.onednn else None
         self.skinny = self.kernels.pack_gemv_weight(w.contiguous()) if self.kernels is not None else None
         self.skinny_rows = self.kernels.skinny_rows(self.skinny) if self.skinny is not None else 0
@@ -151,8 +152,9 @@ def quantize_model(model: nn.Module, method: str, act_dtype: torch.dtype) -> Non
     """Give every module with a `quantizable` weight a `qweight` (a low-bit format, or with
     method "packed" the bf16 weight in oneDNN's layout) and drop its dense weight (tied LM
     heads keep the embedding's table for lookups and get their own packed copy)."""
-    shared = {id(p) for m in model.modules() if not getattr(m, "quantizable", False)
-              for p in m.parameters(recurse=False)}
+    shared = {
+        id(p) for m in model.modules() if not getattr(m, "quantizable", False) for p in m.parameters(recurse=False)
+    }
     before = after = 0
     for m in model.modules():
         if not getattr(m, "quantizable", False):

@@ -39,7 +39,9 @@ def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None, dtype: torch.dtype):
+    def __init__(
+        self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None, dtype: torch.dtype
+    ):
         super().__init__()
         inv_freq = inv_frequencies(head_dim, theta, scaling)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]

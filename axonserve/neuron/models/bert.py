@@ -62,8 +62,9 @@ class EncoderBatch:
         return b
 
 
-def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: EncoderBatch,
-                      scale: float) -> torch.Tensor:
+def encoder_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: EncoderBatch, scale: float
+) -> torch.Tensor:
     """Bidirectional attention within each sequence. q, k, v: [T, heads, D] -> [T, heads, D]."""
     nb, nl, (_, h, d) = len(batch.seq_lens), batch.max_len, q.shape
 

@@ -52,8 +52,9 @@ class CLIPAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = (p(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            p(x).view(b, t, self.heads, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         o = F.scaled_dot_product_attention(q, k, v)  # bidirectional: every patch sees every patch
         return self.out_proj(o.transpose(1, 2).reshape(b, t, -1))
 

@@ -52,15 +52,30 @@ def build(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, ...]], native: 
     if TPInfo.size != 1 or not hasattr(native, "DecoderStack") or len(kv_caches) != len(model.layers):
         return None
     first = model.layers[0].self_attn
-    stack = native.DecoderStack(first.num_heads, first.num_kv_heads, first.head_dim, model.norm.eps, first.scale,
-                                model.norm.weight, model.rotary.cos, model.rotary.sin)
+    stack = native.DecoderStack(
+        first.num_heads,
+        first.num_kv_heads,
+        first.head_dim,
+        model.norm.eps,
+        first.scale,
+        model.norm.weight,
+        model.rotary.cos,
+        model.rotary.sin,
+    )
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if (not isinstance(mlp, LlamaMLP) or attn.q_norm is not None or layer._forward_hooks
-                or layer.input_layernorm.eps != model.norm.eps or layer.post_attention_layernorm.eps != model.norm.eps):
+        if (
+            not isinstance(mlp, LlamaMLP)
+            or attn.q_norm is not None
+            or layer._forward_hooks
+            or layer.input_layernorm.eps != model.norm.eps
+            or layer.post_attention_layernorm.eps != model.norm.eps
+        ):
             return None
-        parts = [linear_spec(m.weight, m.bias, m.qweight)
-                 for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        parts = [
+            linear_spec(m.weight, m.bias, m.qweight)
+            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        ]
         if not add_layer(stack, layer.input_layernorm.weight, layer.post_attention_layernorm.weight, parts):
             return None
     k, v, *scales = (list(c) for c in zip(*kv_caches))

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from axonserve.neuron.config import ModelConfig
+from axonserve.neuron.layers.activation import silu_and_mul
 from axonserve.neuron.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from axonserve.neuron.layers.linear import (
     MergedColumnParallelLinear,
@@ -26,9 +27,8 @@ from axonserve.neuron.layers.linear import (
 )
 from axonserve.neuron.layers.moe import SparseMoeBlock
 from axonserve.neuron.layers.norm import RMSNorm
-from axonserve.neuron.layers.activation import silu_and_mul
-from axonserve.neuron.models import fused
 from axonserve.neuron.layers.rotary import RotaryEmbedding, apply_rotary
+from axonserve.neuron.models import fused
 from axonserve.neuron.ops.attention import AttentionMetadata, paged_attention
 
 KVCache = tuple[torch.Tensor, ...]  # (K, V), or with an int8 cache (K codes, V codes, K scales, V scales)
@@ -61,14 +61,33 @@ class LlamaAttention(nn.Module):
             if self.q_norm is not None:
                 qkv[:, : hq + hkv] = qk
             qkv = qkv.contiguous()
-            meta.native.rotary_kv_write(qkv, hq, hkv, cos, sin, meta.positions, kv_cache[0], kv_cache[1],
-                                        meta.slot_mapping, *kv_cache[2:])
-            o = paged_attention(qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :], kv_cache[0], kv_cache[1],
-                                meta, self.scale, False, *kv_cache[2:])
+            meta.native.rotary_kv_write(
+                qkv, hq, hkv, cos, sin, meta.positions, kv_cache[0], kv_cache[1], meta.slot_mapping, *kv_cache[2:]
+            )
+            o = paged_attention(
+                qkv[:, :hq],
+                qkv[:, hq : hq + hkv],
+                qkv[:, hq + hkv :],
+                kv_cache[0],
+                kv_cache[1],
+                meta,
+                self.scale,
+                False,
+                *kv_cache[2:],
+            )
         else:
             qk = apply_rotary(qk, cos, sin)
-            o = paged_attention(qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :], kv_cache[0], kv_cache[1], meta, self.scale,
-                                True, *kv_cache[2:])
+            o = paged_attention(
+                qk[:, :hq],
+                qk[:, hq:],
+                qkv[:, hq + hkv :],
+                kv_cache[0],
+                kv_cache[1],
+                meta,
+                self.scale,
+                True,
+                *kv_cache[2:],
+            )
         return self.o_proj(o.view(t, -1))
 
 
@@ -92,8 +111,12 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp: nn.Module
         if cfg.is_moe_layer(index):
             self.mlp = SparseMoeBlock(
-                cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
-                cfg.norm_topk_prob, dtype,
+                cfg.num_experts,
+                cfg.num_experts_per_tok,
+                cfg.hidden_size,
+                cfg.moe_intermediate_size,
+                cfg.norm_topk_prob,
+                dtype,
             )
         else:
             self.mlp = LlamaMLP(cfg, dtype)
@@ -110,11 +133,19 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype
+        )
         self._stack: tuple[Any, Any] | None = None  # (key of the caches it was built for, native stack or None)
 
-    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids,
+        positions,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """inputs_embeds: the embedded batch when a caller replaced some rows (LLaVA's images)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if fused.takes(meta, x) and fused.enabled():
@@ -122,8 +153,15 @@ class LlamaModel(nn.Module):
             if self._stack is None or self._stack[0] != key:
                 self._stack = (key, fused.build(self, kv_caches, meta.native))
             if self._stack[1] is not None:
-                return self._stack[1].forward(x, meta.positions, meta.slot_mapping, meta.native_block_table,
-                                              meta.native_row_seq, meta.native_row_kv_len, meta.native_row_extra)
+                return self._stack[1].forward(
+                    x,
+                    meta.positions,
+                    meta.slot_mapping,
+                    meta.native_block_table,
+                    meta.native_row_seq,
+                    meta.native_row_kv_len,
+                    meta.native_row_extra,
+                )
         # the native rotary kernel indexes the tables by position itself
         cos, sin = (self.rotary.cos, self.rotary.sin) if meta.native is not None else self.rotary(positions)
         for layer, kv in zip(self.layers, kv_caches):

@@ -35,7 +35,7 @@ class LlavaProjector(nn.Module):
 def _strip(name: str, *prefixes: str) -> str | None:
     for p in prefixes:
         if name.startswith(p):
-            return name[len(p):]
+            return name[len(p) :]
     return None
 
 
@@ -52,8 +52,9 @@ class LlavaForConditionalGeneration(nn.Module):
         self.feature_layers = [layer] if isinstance(layer, int) else list(layer)
         self.strategy = raw.get("vision_feature_select_strategy", "default")
         if self.strategy not in ("default", "full"):
-            raise ValueError(f"vision_feature_select_strategy {self.strategy!r} is not supported; "
-                             "supported: default, full")
+            raise ValueError(
+                f"vision_feature_select_strategy {self.strategy!r} is not supported; supported: default, full"
+            )
         # the decoder first: its layers are the model's first `layers` list (snapshot capture)
         self.language_model: nn.Module | None = None
         if not vision_only:
@@ -66,8 +67,12 @@ class LlavaForConditionalGeneration(nn.Module):
             self.language_model = lm_cls(dataclasses.replace(cfg, architecture=text_arch), dtype)
         self.vision_tower = CLIPVisionTower(vc, dtype)
         self.multi_modal_projector = LlavaProjector(
-            vc["hidden_size"] * len(self.feature_layers), cfg.hidden_size, raw.get("projector_hidden_act", "gelu"),
-            bool(raw.get("multimodal_projector_bias", True)), dtype)
+            vc["hidden_size"] * len(self.feature_layers),
+            cfg.hidden_size,
+            raw.get("projector_hidden_act", "gelu"),
+            bool(raw.get("multimodal_projector_bias", True)),
+            dtype,
+        )
 
     @property
     def tokens_per_image(self) -> int:
@@ -83,8 +88,15 @@ class LlavaForConditionalGeneration(nn.Module):
             states = [s[:, 1:] for s in states]
         return self.multi_modal_projector(torch.cat(states, dim=-1))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: Any,
-                mm_rows: torch.Tensor | None = None, mm_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list,
+        meta: Any,
+        mm_rows: torch.Tensor | None = None,
+        mm_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Final-norm hidden states [T, H]; rows `mm_rows` of the batch take `mm_embeds`."""
         lm = self.language_model
         assert lm is not None, "vision-only LLaVA has no decoder"

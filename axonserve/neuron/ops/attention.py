@@ -62,8 +62,13 @@ class AttentionMetadata:
 
     @classmethod
     def build(
-        cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int,
-        native: ModuleType | None = None, trees: dict[int, list[int]] | None = None,
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        native: ModuleType | None = None,
+        trees: dict[int, list[int]] | None = None,
     ) -> "AttentionMetadata":
         """Sequences must come decodes (query_len == 1) first, then prefills, in flat-batch order.
         native: the kernels module, when the model's dtype has native kernels.
@@ -187,8 +192,14 @@ class DecodeRun:
     null-model forward's loop ran faster than with `build` each forward: docs/benchmarks.md#fig-attention).
     The sequences come longest run first: forward s takes the first m of them."""
 
-    def __init__(self, context_lens: list[int], block_tables: list[list[int]], steps: list[int], block_size: int,
-                 native: ModuleType | None = None):
+    def __init__(
+        self,
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        steps: list[int],
+        block_size: int,
+        native: ModuleType | None = None,
+    ):
         self.ctx = np.asarray(context_lens, dtype=np.int64)
         self.block_tables, self.block_size, self.native = block_tables, block_size, native
         need = (self.ctx + np.asarray(steps, dtype=np.int64) + block_size - 1) // block_size
@@ -205,9 +216,15 @@ class DecodeRun:
             return AttentionMetadata.build([1] * m, pos.tolist(), self.block_tables[:m], self.block_size)
         bs = self.block_size
         slots = self.table[np.arange(m), pos // bs] * bs + pos % bs
-        return AttentionMetadata(positions=torch.from_numpy(pos), slot_mapping=torch.from_numpy(slots),
-                                 native=self.native, native_rows=m, native_block_table=self.table_t[:m],
-                                 native_row_seq=self.seq[:m], native_row_kv_len=torch.from_numpy(pos + 1))
+        return AttentionMetadata(
+            positions=torch.from_numpy(pos),
+            slot_mapping=torch.from_numpy(slots),
+            native=self.native,
+            native_rows=m,
+            native_block_table=self.table_t[:m],
+            native_row_seq=self.seq[:m],
+            native_row_kv_len=torch.from_numpy(pos + 1),
+        )
 
 
 NATIVE_MAX_QUERY = 128  # with native kernels, chunks this long or longer take the SDPA path
@@ -275,8 +292,9 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf / s[..., None]).clamp(-127, 127).round().to(torch.int8), s
 
 
-def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, scales: torch.Tensor | None = None,
-                   dtype: torch.dtype | None = None) -> torch.Tensor:
+def _gather_blocks(
+    cache: torch.Tensor, block_ids: torch.Tensor, scales: torch.Tensor | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Whole blocks as contiguous rows: index_select on a 2-D view beats fancy indexing
     (docs/benchmarks.md#fig-attention).
     An int8 cache comes back dequantized (codes x their row's scale) in `dtype`."""
@@ -318,9 +336,19 @@ def paged_attention(
             idx = meta.native_idx
             qn = q if idx is None else q.index_select(0, idx)
             on = out if idx is None else torch.empty(qn.shape, dtype=q.dtype)
-            meta.native.paged_attention(on, qn, k_cache, v_cache, meta.native_block_table,
-                                        meta.native_row_seq, meta.native_row_kv_len, scale, k_scale, v_scale,
-                                        meta.native_row_extra)
+            meta.native.paged_attention(
+                on,
+                qn,
+                k_cache,
+                v_cache,
+                meta.native_block_table,
+                meta.native_row_seq,
+                meta.native_row_kv_len,
+                scale,
+                k_scale,
+                v_scale,
+                meta.native_row_extra,
+            )
             if idx is not None:
                 out.index_copy_(0, idx, on)
         _prefills(q, k, v, k_cache, v_cache, meta, scale, out, k_scale, v_scale)
@@ -361,9 +389,18 @@ def paged_attention(
     return out  # type: ignore[return-value]
 
 
-def _prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              meta: AttentionMetadata, scale: float, out: torch.Tensor, k_scale: torch.Tensor | None = None,
-              v_scale: torch.Tensor | None = None) -> None:
+def _prefills(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
     """The prefill chunks, one SDPA each (a first chunk attends to its own new K/V directly).
     Inputs are 4-D ([1, heads, tokens, D]): torch's CPU SDPA takes its flash kernel only then, and
     its much slower math path for 3-D inputs (docs/benchmarks.md#fig-attention)."""

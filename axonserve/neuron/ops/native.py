@@ -81,8 +81,14 @@ def _load() -> ModuleType | None:
         if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
             lock.unlink(missing_ok=True)
         log.info("native.building", source=str(_SOURCE), dir=str(out))
-        mod = cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=_FLAGS,
-                                 extra_ldflags=["-fopenmp"], build_directory=str(out), verbose=False)
+        mod = cpp_extension.load(
+            name=name,
+            sources=[str(_SOURCE)],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(out),
+            verbose=False,
+        )
         ready.touch()
         log.info("native.built", dir=str(out))
         return mod

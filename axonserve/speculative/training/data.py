@@ -48,8 +48,15 @@ def encode_prompts(model_dir: str, prompts: list[Prompt]) -> list[list[int]]:
     return out
 
 
-def collect(model_dir: str, jobs: list[tuple[Prompt, float]], max_new_tokens: int, budget_s: float,
-            chunk: int = 128, seed: int = 0, **engine_kwargs) -> list[Sequence]:
+def collect(
+    model_dir: str,
+    jobs: list[tuple[Prompt, float]],
+    max_new_tokens: int,
+    budget_s: float,
+    chunk: int = 128,
+    seed: int = 0,
+    **engine_kwargs,
+) -> list[Sequence]:
     """Run (prompt, temperature) jobs through the offline engine chunk by chunk, recording each
     chunk's features as it lands, until the next chunk would overrun the budget (both phases
     cost about the same on CPU, so the budget has to cover them together)."""
@@ -79,8 +86,9 @@ def collect(model_dir: str, jobs: list[tuple[Prompt, float]], max_new_tokens: in
             new = []
             for i, out in zip(part, llm.generate([ids[i] for i in part], params)):
                 comp = out.outputs[0].token_ids
-                new.append(Sequence(torch.tensor(ids[i] + comp), len(ids[i]), greedy=jobs[i][1] == 0,
-                                    kind=jobs[i][0].kind))
+                new.append(
+                    Sequence(torch.tensor(ids[i] + comp), len(ids[i]), greedy=jobs[i][1] == 0, kind=jobs[i][0].kind)
+                )
                 ntok += len(comp)
             g_s = time.perf_counter() - c0
             recorder.record(new)
@@ -98,8 +106,9 @@ def collect(model_dir: str, jobs: list[tuple[Prompt, float]], max_new_tokens: in
 class FeatureRecorder:
     """axonserve's model plus a scratch paged KV cache, for teacher-forced feature passes."""
 
-    def __init__(self, model_dir: str, max_batch_tokens: int = 2048, block_size: int = 16,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, model_dir: str, max_batch_tokens: int = 2048, block_size: int = 16, dtype: torch.dtype = torch.float32
+    ):
         from axonserve.neuron.config import ModelConfig
         from axonserve.neuron.loader import load_model
 
@@ -111,8 +120,10 @@ class FeatureRecorder:
     def _cache(self, blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if not self.kv or self.kv[0][0].shape[0] < blocks:
             shape = (blocks, self.block_size, self.mc.num_kv_heads, self.mc.head_dim)
-            self.kv = [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
-                       for _ in range(self.mc.num_layers)]
+            self.kv = [
+                (torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+                for _ in range(self.mc.num_layers)
+            ]
         return self.kv
 
     @torch.inference_mode()
@@ -125,8 +136,9 @@ class FeatureRecorder:
             return
         longest = max(len(s.ids) for s in seqs)
         if longest > self.mc.max_position_embeddings:
-            raise ValueError(f"a sequence of {longest} tokens exceeds the model's "
-                             f"{self.mc.max_position_embeddings} positions")
+            raise ValueError(
+                f"a sequence of {longest} tokens exceeds the model's {self.mc.max_position_embeddings} positions"
+            )
         budget, bs = max(self.budget, longest), self.block_size
         kv = self._cache(budget // bs + len(seqs) + 1)
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
@@ -157,9 +169,9 @@ def draft_vocab(seqs: list[Sequence], size: int, vocab_size: int, always: list[i
     out_counts: Counter[int] = Counter()
     prompt_counts: Counter[int] = Counter()
     for s in seqs:
-        out_counts.update(s.ids[s.prompt_len:].tolist())
+        out_counts.update(s.ids[s.prompt_len :].tolist())
         if s.argmax is not None:
-            out_counts.update(s.argmax[max(0, s.prompt_len - 1):].tolist())
+            out_counts.update(s.argmax[max(0, s.prompt_len - 1) :].tolist())
         prompt_counts.update(s.ids[: s.prompt_len].tolist())
     size = min(size, vocab_size)
     chosen = list(dict.fromkeys([t for t in always if 0 <= t < vocab_size]))

@@ -24,18 +24,24 @@ def simulate_acceptance(head: EagleHead, seqs: list[Sequence], k: int, batch: in
     rounds, tokens, drafted = 0, 0, 0
     at_least = [0] * k  # rounds with >= i+1 drafts accepted
     for b0 in range(0, len(seqs), batch):
-        group = [s for s in seqs[b0:b0 + batch] if len(s.ids) >= s.prompt_len + k + 1]
+        group = [s for s in seqs[b0 : b0 + batch] if len(s.ids) >= s.prompt_len + k + 1]
         kvs = [DraftKV.for_head(head, capacity=len(s.ids) + k) for s in group]
         start = [0] * len(group)
         last = [s.prompt_len - 1 for s in group]  # last position whose feature the target has computed
         active = list(range(len(group)))
         while active:
-            drafts = propose(head, [kvs[i] for i in active], [start[i] for i in active],
-                             [group[i].ids[start[i] + 1:last[i] + 2] for i in active],
-                             [group[i].feats[start[i]:last[i] + 1] for i in active], k, min_prob)
+            drafts = propose(
+                head,
+                [kvs[i] for i in active],
+                [start[i] for i in active],
+                [group[i].ids[start[i] + 1 : last[i] + 2] for i in active],
+                [group[i].feats[start[i] : last[i] + 1] for i in active],
+                k,
+                min_prob,
+            )
             still = []
             for i, d in zip(active, drafts):
-                truth = group[i].ids[last[i] + 2:last[i] + 2 + k].tolist()
+                truth = group[i].ids[last[i] + 2 : last[i] + 2 + k].tolist()
                 a = 0
                 while a < len(d) and d[a] == truth[a]:
                     a += 1
@@ -48,16 +54,23 @@ def simulate_acceptance(head: EagleHead, seqs: list[Sequence], k: int, batch: in
             active = still
     p = [x / max(rounds, 1) for x in at_least]
     cond = [at_least[0] / max(rounds, 1)] + [at_least[j] / max(at_least[j - 1], 1) for j in range(1, k)]
-    out = {"k": k, "rounds": rounds, "tokens": tokens, "mean_accepted_length": tokens / max(rounds, 1),
-           "p_accepted_at_least": p, "conditional_acceptance": cond}
+    out = {
+        "k": k,
+        "rounds": rounds,
+        "tokens": tokens,
+        "mean_accepted_length": tokens / max(rounds, 1),
+        "p_accepted_at_least": p,
+        "conditional_acceptance": cond,
+    }
     if min_prob:
         out.update(min_prob=min_prob, drafts_per_round=drafted / max(rounds, 1))
     return out
 
 
 @torch.inference_mode()
-def reference_tree(head: EagleHead, feats: torch.Tensor, toks: torch.Tensor, depth: int, width: int,
-                   budget: int) -> tuple[list[int], list[int]]:
+def reference_tree(
+    head: EagleHead, feats: torch.Tensor, toks: torch.Tensor, depth: int, width: int, budget: int
+) -> tuple[list[int], list[int]]:
     """EAGLE-2's dynamic tree by full causal recompute of the head (the reference of the serving
     path's TreeDrafts): feats [T, H] are the target's features at positions 0..T-1, toks [T] the
     tokens that followed them. Each depth expands the `width` best nodes of the depth before (by
@@ -95,13 +108,25 @@ def simulate_tree_acceptance(head: EagleHead, seqs: list[Sequence], depth: int, 
             a = len(tree_walk(drafts, parents, s.ids[last + 2 : last + 2 + depth].tolist()))
             rounds, tokens, nodes = rounds + 1, tokens + 1 + a, nodes + len(drafts)
             last += 1 + a
-    return {"depth": depth, "width": width, "budget": budget, "rounds": rounds,
-            "mean_accepted_length": tokens / max(rounds, 1), "nodes_per_round": nodes / max(rounds, 1)}
+    return {
+        "depth": depth,
+        "width": width,
+        "budget": budget,
+        "rounds": rounds,
+        "mean_accepted_length": tokens / max(rounds, 1),
+        "nodes_per_round": nodes / max(rounds, 1),
+    }
 
 
 @torch.inference_mode()
-def draft_step_latency(head: EagleHead, full_lm_head: torch.Tensor, vocab_sizes: list[int],
-                       batches: tuple[int, ...] = (1, 8), context: int = 200, reps: int = 20) -> list[dict]:
+def draft_step_latency(
+    head: EagleHead,
+    full_lm_head: torch.Tensor,
+    vocab_sizes: list[int],
+    batches: tuple[int, ...] = (1, 8),
+    context: int = 200,
+    reps: int = 20,
+) -> list[dict]:
     """Median ms of one draft step (propose with one new token, k=1: layer + draft lm_head + argmax)
     for each draft vocabulary size, with `context` cached positions per request."""
     saved = head.d2t, head.lm_head

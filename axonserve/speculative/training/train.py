@@ -174,8 +174,15 @@ def lr_at(cfg: TrainConfig, step: int, frac: float) -> float:
     return cfg.lr * warm * cos
 
 
-def train_head(head: EagleHead, seqs: list[Sequence], val: list[Sequence], cfg: TrainConfig, budget_s: float,
-               max_steps: int | None = None, watch_every: int = 500) -> dict:
+def train_head(
+    head: EagleHead,
+    seqs: list[Sequence],
+    val: list[Sequence],
+    cfg: TrainConfig,
+    budget_s: float,
+    max_steps: int | None = None,
+    watch_every: int = 500,
+) -> dict:
     """Train fc + layer in place until the time budget (or max_steps) is spent; returns history (every
     50 steps), with teacher-forced top-1 on `val` every `watch_every` (a multiple of 50; overfitting shows there)."""
     head.train().requires_grad_(True)
@@ -208,8 +215,12 @@ def train_head(head: EagleHead, seqs: list[Sequence], val: list[Sequence], cfg: 
             bar.set_postfix(step=step, epoch=epoch, loss=f"{lv:.3f}", top1=f"{h / max(n, 1):.3f}", refresh=False)
             bar.update(round(time.perf_counter() - t0) - bar.n)
             if step % 50 == 0:
-                rec = {"step": step, "seconds": round(time.perf_counter() - t0, 1), "loss": round(lv, 4),
-                       "train_top1_batch": round(h / max(n, 1), 4)}
+                rec = {
+                    "step": step,
+                    "seconds": round(time.perf_counter() - t0, 1),
+                    "loss": round(lv, 4),
+                    "train_top1_batch": round(h / max(n, 1), 4),
+                }
                 if val and step % watch_every == 0:
                     rec["val_top1"] = round(top1(head.eval(), val[:128], cfg)[0], 4)
                     head.train()
@@ -225,9 +236,12 @@ def split_by_prompt(seqs: list[Sequence], val_fraction: float, seed: int) -> tup
     (which share their opening) never sit on both sides and inflate validation top-1. A prompt's
     side follows from its hash alone, so adding a data cache (or resuming a head) never moves an
     earlier prompt across; at least one prompt is held out when there are two."""
+
     def rank(key: bytes) -> float:
-        return int.from_bytes(hashlib.blake2b(key, digest_size=8, salt=seed.to_bytes(8, "little")).digest(),
-                              "little") / 2**64
+        return (
+            int.from_bytes(hashlib.blake2b(key, digest_size=8, salt=seed.to_bytes(8, "little")).digest(), "little")
+            / 2**64
+        )
 
     groups: dict[bytes, list[Sequence]] = {}
     for s in seqs:
@@ -265,13 +279,28 @@ def load_data(paths: list[str]) -> tuple[list[Sequence], list[Sequence], float]:
     return train, evals, secs
 
 
-def train_eagle(model: str, out: str, time_budget: float = 900.0, num_prompts: int | None = None,
-                draft_vocab_size: int = 8192, max_new_tokens: int = 160, data_fraction: float = 0.5,
-                num_eval_prompts: int | None = None, eval_max_new_tokens: int = 128, init: str = "random",
-                val_fraction: float = 0.08, cfg: TrainConfig | None = None, data_cache: str = "",
-                max_steps: int | None = None, save_dtype: str = "bfloat16", latency: bool = True,
-                first_prompt: int = 0, resume: str = "", trees: tuple[tuple[int, int, int], ...] = (),
-                **engine_kwargs) -> dict:
+def train_eagle(
+    model: str,
+    out: str,
+    time_budget: float = 900.0,
+    num_prompts: int | None = None,
+    draft_vocab_size: int = 8192,
+    max_new_tokens: int = 160,
+    data_fraction: float = 0.5,
+    num_eval_prompts: int | None = None,
+    eval_max_new_tokens: int = 128,
+    init: str = "random",
+    val_fraction: float = 0.08,
+    cfg: TrainConfig | None = None,
+    data_cache: str = "",
+    max_steps: int | None = None,
+    save_dtype: str = "bfloat16",
+    latency: bool = True,
+    first_prompt: int = 0,
+    resume: str = "",
+    trees: tuple[tuple[int, int, int], ...] = (),
+    **engine_kwargs,
+) -> dict:
     """The whole pipeline; returns (and writes next to the head) the report. `resume`: go on
     training the head in that directory (its draft vocabulary kept) instead of a fresh one, so a
     new data cache adds to earlier training rather than repeating it. `trees`: (depth, width,
@@ -294,7 +323,7 @@ def train_eagle(model: str, out: str, time_budget: float = 900.0, num_prompts: i
         held = held_out_prompts()[:num_eval_prompts]
         jobs = [(p, 0.0) for p in held] + make_jobs(num_prompts, cfg.seed, first_prompt)
         seqs = collect(model_dir, jobs, max_new_tokens, time_budget * data_fraction, seed=cfg.seed, **engine_kwargs)
-        evals, seqs = seqs[: len(held)], seqs[len(held):]
+        evals, seqs = seqs[: len(held)], seqs[len(held) :]
         for s in evals:  # held-out continuations are as long as eval asks; generation used max_new_tokens
             s.ids, s.feats, s.argmax = (x[: s.prompt_len + eval_max_new_tokens] for x in (s.ids, s.feats, s.argmax))
         gen_s = time.perf_counter() - t_start
@@ -318,16 +347,24 @@ def train_eagle(model: str, out: str, time_budget: float = 900.0, num_prompts: i
     result = train_head(head, train, val, cfg, budget, max_steps=max_steps)
     head.save_pretrained(out, dtype=getattr(torch, save_dtype))
     report = {
-        "model": model, "model_dir": model_dir, "head_dir": os.path.abspath(out),
+        "model": model,
+        "model_dir": model_dir,
+        "head_dir": os.path.abspath(out),
         "init": f"resumed from {resume}" if resume else init,
-        "config": asdict(cfg), "draft_vocab_size": len(d2t),
-        "data": {"train_seqs": len(train), "val_seqs": len(val), "eval_seqs": len(evals),
-                 "train_tokens": sum(len(s.ids) for s in train),
-                 "train_generated_tokens": sum(len(s.ids) - s.prompt_len for s in train),
-                 "greedy_fraction": sum(s.greedy for s in train) / len(train),
-                 "gen_and_feature_seconds": round(gen_s, 1)},
+        "config": asdict(cfg),
+        "draft_vocab_size": len(d2t),
+        "data": {
+            "train_seqs": len(train),
+            "val_seqs": len(val),
+            "eval_seqs": len(evals),
+            "train_tokens": sum(len(s.ids) for s in train),
+            "train_generated_tokens": sum(len(s.ids) - s.prompt_len for s in train),
+            "greedy_fraction": sum(s.greedy for s in train) / len(train),
+            "gen_and_feature_seconds": round(gen_s, 1),
+        },
         "train": result,
-        "val_top1_init": val_top1_init, "val_top1": top1(head, val, cfg) if val else [],
+        "val_top1_init": val_top1_init,
+        "val_top1": top1(head, val, cfg) if val else [],
         "head_bytes": os.path.getsize(os.path.join(out, "model.safetensors")),
     }
     if evals:
@@ -343,6 +380,10 @@ def train_eagle(model: str, out: str, time_budget: float = 900.0, num_prompts: i
     report["total_seconds"] = round(time.perf_counter() - t_start, 1)
     with open(os.path.join(out, REPORT_NAME), "w") as f:
         json.dump(report, f, indent=2)
-    log.info("eagle.trained", out=out, val_top1=report["val_top1"],
-             mean_accepted_length=[a["mean_accepted_length"] for a in report.get("acceptance", [])])
+    log.info(
+        "eagle.trained",
+        out=out,
+        val_top1=report["val_top1"],
+        mean_accepted_length=[a["mean_accepted_length"] for a in report.get("acceptance", [])],
+    )
     return report

@@ -19,10 +19,33 @@ from axonserve.speculative.training.train import REPORT_NAME, TrainConfig, split
 def trained(tiny_llama_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("eagle")
     with pytest.raises(SystemExit) as e:
-        main(["train-eagle", tiny_llama_dir, "--out", str(out / "head"), "--time-budget", "50", "--lr", "3e-3",
-              "--num-prompts", "8", "--num-eval-prompts", "3", "--draft-vocab", "512", "--max-new-tokens", "40",
-              "--batch-tokens", "256", "--data-cache", str(out / "data.pt"), "--no-latency",
-              "--tree-report", "3x1x3,3x3x5"])
+        main(
+            [
+                "train-eagle",
+                tiny_llama_dir,
+                "--out",
+                str(out / "head"),
+                "--time-budget",
+                "50",
+                "--lr",
+                "3e-3",
+                "--num-prompts",
+                "8",
+                "--num-eval-prompts",
+                "3",
+                "--draft-vocab",
+                "512",
+                "--max-new-tokens",
+                "40",
+                "--batch-tokens",
+                "256",
+                "--data-cache",
+                str(out / "data.pt"),
+                "--no-latency",
+                "--tree-report",
+                "3x1x3,3x3x5",
+            ]
+        )
     assert e.value.code == 0
     return str(out / "head"), torch.load(out / "data.pt", weights_only=False)
 
@@ -50,7 +73,7 @@ def test_report_and_files(trained):
     # target's argmax at position t is the token the engine generated at t+1
     greedy = [s for s in data["train"] + data["eval"] if s.greedy]
     assert greedy and all(s.feats.shape == (len(s.ids), 64) for s in greedy)
-    agree = sum(int((s.ids[s.prompt_len:] == s.argmax[s.prompt_len - 1:-1]).sum()) for s in greedy)
+    agree = sum(int((s.ids[s.prompt_len :] == s.argmax[s.prompt_len - 1 : -1]).sum()) for s in greedy)
     assert agree >= 0.99 * sum(len(s.ids) - s.prompt_len for s in greedy)
 
 
@@ -60,18 +83,18 @@ def test_loaded_head_proposes_like_a_full_recompute(trained, tiny_llama_dir):
     s = data["eval"][0]
     n = s.prompt_len + 5
     kv = DraftKV.for_head(head)
-    got = propose(head, [kv], [0], [s.ids[1:n + 1]], [s.feats[:n]], 3)[0]
-    f, t, want = s.feats[:n], s.ids[1:n + 1], []
+    got = propose(head, [kv], [0], [s.ids[1 : n + 1]], [s.feats[:n]], 3)[0]
+    f, t, want = s.feats[:n], s.ids[1 : n + 1], []
     with torch.no_grad():
         for _ in range(3):
             y = head(f[None], t[None])[0, -1]
             d = head.d2t[head.draft_logits(y).argmax()]
             want.append(int(d))
             f, t = torch.cat((f, y[None])), torch.cat((t, d[None]))
-        _, kf, vf = head(f[None, :kv.length], t[None, :kv.length], return_kv=True)
+        _, kf, vf = head(f[None, : kv.length], t[None, : kv.length], return_kv=True)
     assert got == want
-    torch.testing.assert_close(kv.k[:, :kv.length], kf[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(kv.v[:, :kv.length], vf[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv.k[:, : kv.length], kf[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv.v[:, : kv.length], vf[0], atol=1e-5, rtol=1e-5)
 
 
 def test_trained_head_beats_untrained_on_training_data(trained, tiny_llama_dir):
@@ -90,9 +113,27 @@ def test_resume_goes_on_from_the_saved_head(trained, tiny_llama_dir, tmp_path):
     head_dir, data = trained
     cache = os.path.join(os.path.dirname(head_dir), "data.pt")
     with pytest.raises(SystemExit) as e:
-        main(["train-eagle", tiny_llama_dir, "--out", str(tmp_path / "more"), "--resume", head_dir,
-              "--data-cache", cache, "--max-steps", "3", "--time-budget", "30", "--batch-tokens", "256",
-              "--lr", "1e-5", "--no-latency"])
+        main(
+            [
+                "train-eagle",
+                tiny_llama_dir,
+                "--out",
+                str(tmp_path / "more"),
+                "--resume",
+                head_dir,
+                "--data-cache",
+                cache,
+                "--max-steps",
+                "3",
+                "--time-budget",
+                "30",
+                "--batch-tokens",
+                "256",
+                "--lr",
+                "1e-5",
+                "--no-latency",
+            ]
+        )
     assert e.value.code == 0
     more = json.load(open(tmp_path / "more" / REPORT_NAME))
     assert more["init"] == f"resumed from {head_dir}" and more["train"]["steps"] == 3
@@ -114,6 +155,7 @@ def test_bad_tree_shape_is_a_usage_error(tmp_path, capsys):
 
 def test_split_by_prompt_is_stable_as_data_grows():
     """A prompt's side never changes when more prompts arrive, and both answers to a prompt share it."""
+
     def seqs(prompts):
         return [Sequence(ids=torch.tensor(p + [9, t]), prompt_len=len(p)) for p in prompts for t in (1, 2)]
 

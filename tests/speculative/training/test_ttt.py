@@ -13,8 +13,10 @@ from tests.speculative.test_eagle import make_head
 def test_unrolled_steps_equal_chained_recompute(tiny_llama_dir):
     head = make_head(tiny_llama_dir)
     torch.manual_seed(2)
-    seqs = [Sequence(torch.randint(0, 49152, (n,)), 4, torch.randn(n, 64), torch.zeros(n, dtype=torch.long))
-            for n in (19, 13)]
+    seqs = [
+        Sequence(torch.randint(0, 49152, (n,)), 4, torch.randn(n, 64), torch.zeros(n, dtype=torch.long))
+        for n in (19, 13)
+    ]
     batch = make_batch(seqs, 512)
     steps = 3
     with torch.no_grad():
