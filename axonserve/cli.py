@@ -1,4 +1,7 @@
-"""`axonserve serve|generate ...` — flags mirror `vllm serve` where they exist."""
+"""`axonserve serve|generate ...` — flags mirror `vllm serve` where they exist.
+
+Over 500 lines: one argparse flag per engine setting, each with its help text (the whole
+command-line surface in one place, as `vllm serve --help` reads)."""
 
 from __future__ import annotations
 
@@ -429,15 +432,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """`axonserve bench ...`: its modules (httpx, aiohttp) load only here, so a plain
+    """`axonserve bench ...`: its modules (httpx, aiohttp, matplotlib) load only here, so a plain
     `pip install .` serves without the bench extra."""
+    from axonserve.bench.cli import main as bench_main
+
     try:
-        from axonserve.bench.cli import main as bench_main
-    except ImportError as e:
+        return bench_main(args.argv)
+    except ModuleNotFoundError as e:
+        if e.name not in ("httpx", "aiohttp", "matplotlib"):
+            raise
         raise SystemExit(
             f"axonserve bench needs the bench extra ({e.name} is missing): pip install 'axonserve[bench]'"
         ) from None
-    return bench_main(args.argv)
 
 
 def main(argv: list[str] | None = None) -> None:

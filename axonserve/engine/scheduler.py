@@ -1,5 +1,8 @@
 """Continuous-batching scheduler policy (pure Python, no I/O).
 
+Over 500 lines: one policy (token budget, preemption, chunked prefill, buckets, multi-step,
+speculative rows) whose parts decide together in `schedule()`; its state machine is `request.py`.
+
 Each step: running requests first (decode-first, so streams keep flowing), then waiting
 ones while the token budget, the sequence cap and free KV blocks allow. A waiting request
 first takes every cached leading block (prefix caching). A prompt larger than the remaining

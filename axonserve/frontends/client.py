@@ -1,5 +1,8 @@
 """`AsyncEngineClient`: the Python library that talks to a running scheduler over ZeroMQ.
 
+Over 500 lines: the whole client side of the engine protocol (requests, fan-out, streams,
+embeddings, stats, profiler, the reader and the watchdog) shares its routing state.
+
 One DEALER socket to the scheduler's ROUTER. A single reader task decodes every incoming
 frame and routes each `RequestDelta` to its request's asyncio queue; `generate()` consumers
 detokenize and apply stop strings themselves, so that work is spread over the requests'

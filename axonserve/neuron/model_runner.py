@@ -1,5 +1,8 @@
 """One worker rank's device state: model, paged KV cache, per-request state, sampler.
 
+Over 500 lines: the per-step diff of request state, its batch assembly and the sampling
+and drafting hand-offs read the same per-request state.
+
 `execute(StepPlan)` applies the plan as a diff to the requests this worker holds, runs one
 forward over the flat token batch (decodes first, then prefill chunks) and samples one token
 for each request whose computed count reaches its known token count.

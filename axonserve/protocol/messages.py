@@ -1,5 +1,7 @@
 """Every message that crosses a process boundary.
 
+Over 500 lines: the one wire format, every message type in one place (by design).
+
 Structs are array-like msgpack (compact, positional), omit defaults (cheap to evolve: add
 fields at the end with a default) and carry an integer tag so one decoder per socket can
 dispatch a tagged union. Tensors never go inside a body: a `TensorRef` names the extra ZMQ

@@ -1,5 +1,8 @@
 """EAGLE-1 draft head: one Llama decoder layer that extrapolates the target's features.
 
+Over 500 lines: the head, its packing, its chain and tree drafting share the head's KV
+bookkeeping (the paged variant is paged_draft.py).
+
 At position t the head reads `fc(cat(embed(tok_{t+1}), f_t))`, where f_t is the target's
 post-final-norm hidden state (what `LlamaForCausalLM.forward` returns) and tok_{t+1} the token
 that followed it, runs one decoder layer (RMSNorm, GQA attention with RoPE at absolute position

@@ -1,4 +1,4 @@
-"""Pure ASGI middleware for the HTTP edge: API-key auth and a request body size limit.
+"""Pure ASGI middleware for the HTTP edge: API-key auth, a request body size limit, the access log.
 
 Pure ASGI (not Starlette's BaseHTTPMiddleware) so `http.disconnect` still reaches the
 handlers, which is how a client that goes away gets its engine request aborted.
@@ -9,7 +9,13 @@ from __future__ import annotations
 import hmac
 import json
 import os
+import time
+from contextvars import ContextVar
 from typing import Any, Awaitable, Callable
+
+import structlog
+
+log = structlog.get_logger(__name__)
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -111,3 +117,49 @@ class BodyLimit:
         await send_error(
             send, 413, f"request body is larger than the limit of {self.max_bytes} bytes", "RequestTooLargeError"
         )
+
+
+# The access record of the HTTP request being served (set by AccessLog, filled by handlers).
+access_record: ContextVar[dict[str, Any] | None] = ContextVar("axonserve_access", default=None)
+QUIET_PATHS = ("/health", "/metrics")
+
+
+class AccessLog:
+    """Pure ASGI middleware: one structured log line per request, with status, timings and
+    token counts (Starlette's BaseHTTPMiddleware would break disconnect detection)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rec: dict[str, Any] = {"status": 0, "t0": time.perf_counter()}
+        token = access_record.set(rec)
+
+        async def send_status(msg: dict) -> None:
+            if msg["type"] == "http.response.start":
+                rec["status"] = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            access_record.reset(token)
+            t0 = rec.pop("t0")
+            fields = {k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()}
+            emit = log.debug if scope["path"] in QUIET_PATHS else log.info
+            emit(
+                "access",
+                method=scope["method"],
+                path=scope["path"],
+                seconds=round(time.perf_counter() - t0, 4),
+                **fields,
+            )
+
+
+def note_access(**fields: Any) -> None:
+    rec = access_record.get()
+    if rec is not None:
+        rec.update(fields)

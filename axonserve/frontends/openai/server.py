@@ -12,10 +12,9 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from contextvars import ContextVar
 from typing import Any, TypeVar
 
 import jinja2
@@ -23,7 +22,7 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from axonserve import __version__
@@ -31,89 +30,27 @@ from axonserve.config import EngineConfig
 from axonserve.frontends.chat_template import render_bounded, request_template
 from axonserve.frontends.client import AsyncEngineClient, EngineDeadError, RequestError, StreamOutput
 from axonserve.frontends.openai.embeddings import EmbeddingRequest, create_embeddings
-from axonserve.frontends.openai.middleware import ApiKeyAuth, BodyLimit, api_key_from_env
+from axonserve.frontends.openai.errors import REJECT_CODES, ModelNotFound, error_for, validation_message
+from axonserve.frontends.openai.middleware import AccessLog, ApiKeyAuth, BodyLimit, api_key_from_env, note_access
 from axonserve.frontends.openai.protocol import (
-    ERROR_TYPES,
-    ChatChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatLogprobs,
-    ChatResponseMessage,
-    ChatStreamChoice,
-    ChatTokenLogprob,
-    CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
-    CompletionResponse,
-    DeltaMessage,
     DetokenizeRequest,
     DetokenizeResponse,
-    ErrorInfo,
-    ErrorResponse,
     ModelCard,
     ModelList,
-    PromptLogprob,
-    PromptLogprobList,
     TokenizeRequest,
     TokenizeResponse,
-    TopLogprob,
-    UsageInfo,
     error_response,
     request_id,
 )
-from axonserve.frontends.openai.tools import ToolCallFormatter, plan_tools, template_messages
+from axonserve.frontends.openai.responses import ChatFormat, CompletionFormat, Format, sse_response
+from axonserve.frontends.openai.tools import plan_tools, template_messages
 from axonserve.multimodal.frontend import ImageInputs, PromptImages, has_images, take_images
 from axonserve.protocol.messages import ParamError, SamplingParams
 from axonserve.structured_output.frontend import with_structured_outputs
 
 log = structlog.get_logger(__name__)
-
-# The access record of the HTTP request being served (set by AccessLog, filled by handlers).
-_access: ContextVar[dict[str, Any] | None] = ContextVar("axonserve_access", default=None)
-_QUIET_PATHS = ("/health", "/metrics")
-
-
-class AccessLog:
-    """Pure ASGI middleware: one structured log line per request, with status, timings and
-    token counts (Starlette's BaseHTTPMiddleware would break disconnect detection)."""
-
-    def __init__(self, app: Any):
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        rec: dict[str, Any] = {"status": 0, "t0": time.perf_counter()}
-        token = _access.set(rec)
-
-        async def send_status(msg: dict) -> None:
-            if msg["type"] == "http.response.start":
-                rec["status"] = msg["status"]
-            await send(msg)
-
-        try:
-            await self.app(scope, receive, send_status)
-        finally:
-            _access.reset(token)
-            t0 = rec.pop("t0")
-            fields = {k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()}
-            emit = log.debug if scope["path"] in _QUIET_PATHS else log.info
-            emit(
-                "access",
-                method=scope["method"],
-                path=scope["path"],
-                seconds=round(time.perf_counter() - t0, 4),
-                **fields,
-            )
-
-
-def _note_access(**fields: Any) -> None:
-    rec = _access.get()
-    if rec is not None:
-        rec.update(fields)
-
 
 T = TypeVar("T")
 _LONG_PROMPT_CHARS = 4096  # tokenize longer prompts off the event loop
@@ -128,45 +65,6 @@ async def _wait_for_files(paths: list[str], timeout: float) -> bool:
             return False
         await asyncio.sleep(0.1)
     return True
-
-
-class ModelNotFound(LookupError):
-    pass
-
-
-_REJECT_CODES = (400, 408, 503)  # engine refusals that become the HTTP status before a stream starts
-
-
-def _error_for(exc: BaseException) -> JSONResponse:
-    if isinstance(exc, ParamError):
-        return error_response(400, str(exc), "BadRequestError", exc.param)
-    if isinstance(exc, ModelNotFound):
-        return error_response(404, str(exc), "NotFoundError", "model")
-    if isinstance(exc, EngineDeadError):
-        return error_response(503, f"engine unavailable: {exc}", "ServiceUnavailableError")
-    if isinstance(exc, RequestError):
-        return error_response(exc.status, str(exc))
-    if isinstance(exc, (ValueError, TypeError, OverflowError, jinja2.TemplateError)):
-        return error_response(400, str(exc), "BadRequestError")
-    if isinstance(exc, NotImplementedError):
-        return error_response(501, str(exc), "NotImplementedError")
-    log.error("request_failed", error=repr(exc))
-    return error_response(500, f"internal error: {type(exc).__name__}", "InternalServerError")
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """Readable message from pydantic errors (str(exc) would leak server paths)."""
-    parts, param = [], None
-    for err in exc.errors():
-        if err.get("type") == "json_invalid":
-            why = (err.get("ctx") or {}).get("error", "")
-            parts.append(f"invalid JSON body: {why}".rstrip(": "))
-            continue
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        if param is None and loc:
-            param = ".".join(loc)
-        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
-    return "; ".join(parts) or "invalid request", param
 
 
 def build_app(
@@ -203,7 +101,7 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return error_response(400, message, "BadRequestError", param)
 
     @app.exception_handler(StarletteHTTPException)
@@ -212,7 +110,7 @@ def build_app(
         return error_response(exc.status_code, str(exc.detail), kind)
 
     async def _on_error(_: Request, exc: Exception) -> JSONResponse:
-        return _error_for(exc)
+        return error_for(exc)
 
     # Known classes go through ExceptionMiddleware (handled, not re-raised); the bare
     # Exception entry is the last resort (Starlette logs those as server errors too).
@@ -315,10 +213,10 @@ def build_app(
             raise ParamError("prompt", f"at most {limits.max_fanout} prompts per request")
         params = await constrained(body.sampling_params(), body)
         prompts = [body.truncate(await tokenize(p)) for p in texts]
-        _note_access(request_id=rid)
+        note_access(request_id=rid)
         streams = start(prompts, params, rid)
         echo = [client.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts] if body.echo else None
-        fmt = _CompletionFormat(client, rid, model_name, params, prompts, echo=echo)
+        fmt = CompletionFormat(client, rid, model_name, params, prompts, echo=echo)
         if body.stream:
             return await _stream_response(raw, fmt, streams, params.n, body.include_usage)
         return await _cancel_on_disconnect(raw, fmt.full(streams, params.n))
@@ -347,10 +245,10 @@ def build_app(
             # a pool of their own: slow image URLs (up to the fetch deadline) never hold the
             # threads that tokenize and compile grammars for everyone else
             ids, images = await asyncio.get_running_loop().run_in_executor(_IMAGE_POOL, image_inputs.prepare, ids, urls)
-            _note_access(images=len(urls))
-        _note_access(request_id=rid)
+            note_access(images=len(urls))
+        note_access(request_id=rid)
         streams = start([ids], params, rid, images)
-        fmt = _ChatFormat(client, rid, model_name, params, [ids], tools=tools.formatter() if tools else None)
+        fmt = ChatFormat(client, rid, model_name, params, [ids], tools=tools.formatter() if tools else None)
         if body.stream:
             return await _stream_response(raw, fmt, streams, params.n, body.include_usage)
         return await _cancel_on_disconnect(raw, fmt.full(streams, params.n))
@@ -361,7 +259,7 @@ def build_app(
         if (reason := unavailable()) is not None:
             raise EngineDeadError(reason)
         rid = request_id(body.request_id, "embd", limits.max_request_id_chars)
-        _note_access(request_id=rid)
+        note_access(request_id=rid)
         return await _cancel_on_disconnect(raw, create_embeddings(client, body, model_name, rid))
 
     @app.post("/tokenize")
@@ -434,7 +332,7 @@ async def _first_output(stream: AsyncGenerator[StreamOutput, None]) -> StreamOut
 
 
 async def _stream_response(
-    raw: Request, fmt: "_Format", streams: list[AsyncGenerator[StreamOutput, None]], n: int, include_usage: bool
+    raw: Request, fmt: Format, streams: list[AsyncGenerator[StreamOutput, None]], n: int, include_usage: bool
 ) -> Response:
     """Wait for a single stream's first output before committing to HTTP 200, so a request
     the engine rejects at once (overload 503, bad input 400) gets a real status code. While it
@@ -445,11 +343,11 @@ async def _stream_response(
         if isinstance(first, Response):  # the client left: the request is aborted
             await first_stream.aclose()
             return first
-        if first is not None and first.finish_reason == "error" and first.error_code in _REJECT_CODES:
+        if first is not None and first.finish_reason == "error" and first.error_code in REJECT_CODES:
             await first_stream.aclose()
             return error_response(first.error_code, first.error or "rejected")
         streams = [_prepend(first, first_stream)]
-    return _sse(fmt, streams, n, include_usage)
+    return sse_response(fmt, streams, n, include_usage)
 
 
 async def _prepend(
@@ -460,349 +358,6 @@ async def _prepend(
             yield first
         async for out in rest:
             yield out
-
-
-# --------------------------------------------------------------------------- formatting
-
-
-class _Format:
-    """Turns RequestOutputs into one API's JSON: whole responses and stream chunks.
-
-    Choice `index` is prompt j's choice i at j * n + i; `prompts` holds each prompt's ids."""
-
-    def __init__(
-        self, client: AsyncEngineClient, rid: str, model: str, params: SamplingParams, prompts: list[list[int]]
-    ):
-        self.client, self.rid, self.model, self.params = client, rid, model, params
-        self.prompts, self.n = prompts, params.n
-        self.created = int(time.time())
-
-    def prompt_logprob_list(self, index: int, out: StreamOutput) -> PromptLogprobList | None:
-        """vLLM's `prompt_logprobs`: None for the first prompt token, then {id: logprob} with
-        the prompt token and the top alternatives."""
-        if out.prompt_logprobs is None or self.params.prompt_logprobs is None:
-            return None
-        text = self.client.tokenizer.token_text
-        rows: PromptLogprobList = [None]
-        for tid, lp in zip(self.prompts[index // self.n][1:], out.prompt_logprobs):
-            entry = {tid: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=text(tid))}
-            for rank, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs), 1):
-                entry.setdefault(t, PromptLogprob(logprob=v, rank=rank, decoded_token=text(t)))
-            rows.append(entry)
-        return rows
-
-    def first_chunks(self, num_choices: int) -> list[str]:
-        return []
-
-    def chunk(self, index: int, out: StreamOutput) -> str | None:
-        raise NotImplementedError
-
-    def usage_chunk(self, usage: UsageInfo) -> str:
-        raise NotImplementedError
-
-    def response(self, outs: dict[int, list[StreamOutput]], usage: UsageInfo) -> Any:
-        raise NotImplementedError
-
-    async def full(self, streams: list[AsyncGenerator[StreamOutput, None]], n: int) -> Response:
-        outs: dict[int, list[StreamOutput]] = {}
-        usage = _Usage()
-        async for j, out in _merge(streams):
-            if out.finish_reason == "error":
-                raise RequestError(out.error or "generation failed", out.error_code)
-            outs.setdefault(j * n + out.index, []).append(out)
-            usage.add(j, out)
-        body = self.response(dict(sorted(outs.items())), usage.info())
-        return JSONResponse(body.model_dump(mode="json"))
-
-    def token_logprobs(self, out: StreamOutput) -> list[tuple[str, float, list[tuple[str, float]]]]:
-        """(token text, logprob, top alternatives) for each new token."""
-        if out.logprobs is None:
-            return []
-        text = self.client.tokenizer.token_text
-        k = self.params.logprobs or 0
-        rows = []
-        for tid, lp in zip(out.token_ids, out.logprobs):
-            top = [(text(t), v) for t, v in zip(lp.top_ids[:k], lp.top_logprobs[:k])]
-            rows.append((text(tid), lp.logprob, top))
-        return rows
-
-
-class _CompletionFormat(_Format):
-    def __init__(self, *args: Any, echo: list[str] | None = None):
-        """echo: each prompt's text, put before its choices' text (with logprobs if asked)."""
-        super().__init__(*args)
-        self.echo = echo
-        self._echoed: set[int] = set()
-        self._offsets: dict[int, int] = {}
-
-    def _echo_prefix(self, index: int, out: StreamOutput) -> tuple[str, CompletionLogprobs | None]:
-        """The prompt, once per choice, when echo is on; its token logprobs when logprobs is set
-        (the first prompt token has none, like OpenAI's)."""
-        if self.echo is None or index in self._echoed:
-            return "", None
-        self._echoed.add(index)
-        text, k = self.echo[index // self.n], self.params.logprobs
-        if k is None:
-            return text, None
-        tt, lp, offset = self.client.tokenizer.token_text, CompletionLogprobs(), 0
-        for tid, p in zip(self.prompts[index // self.n], [None, *(out.prompt_logprobs or [])]):
-            tok = tt(tid)
-            lp.tokens.append(tok)
-            lp.text_offset.append(offset)
-            offset += len(tok)
-            lp.token_logprobs.append(None if p is None else p.logprob)
-            lp.top_logprobs.append(
-                None if p is None else {tok: p.logprob, **{tt(t): v for t, v in zip(p.top_ids[:k], p.top_logprobs[:k])}}
-            )
-        self._offsets[index] = offset
-        return text, lp
-
-    def logprobs(self, index: int, out: StreamOutput) -> CompletionLogprobs | None:
-        if self.params.logprobs is None:
-            return None
-        lp = CompletionLogprobs()
-        offset = self._offsets.get(index, 0)
-        for token, logprob, top in self.token_logprobs(out):
-            lp.tokens.append(token)
-            lp.token_logprobs.append(logprob)
-            lp.top_logprobs.append({token: logprob, **dict(top)})
-            lp.text_offset.append(offset)
-            offset += len(token)
-        self._offsets[index] = offset
-        return lp
-
-    def chunk(self, index: int, out: StreamOutput) -> str | None:
-        prefix, echo_lp = self._echo_prefix(index, out)
-        text = prefix + out.text
-        if not (text or out.finished or self.params.logprobs is not None or out.prompt_logprobs):
-            return None
-        choice = CompletionChoice(
-            index=index,
-            text=text,
-            logprobs=_concat_logprobs(echo_lp, self.logprobs(index, out)),
-            finish_reason=out.finish_reason,
-            stop_reason=out.stop_reason,
-            prompt_logprobs=self.prompt_logprob_list(index, out),
-        )
-        return CompletionResponse(
-            id=self.rid, created=self.created, model=self.model, choices=[choice]
-        ).model_dump_json()
-
-    def usage_chunk(self, usage: UsageInfo) -> str:
-        return CompletionResponse(
-            id=self.rid, created=self.created, model=self.model, choices=[], usage=usage
-        ).model_dump_json()
-
-    def response(self, outs: dict[int, list[StreamOutput]], usage: UsageInfo) -> CompletionResponse:
-        choices = []
-        for index, steps in outs.items():
-            prefix, merged = self._echo_prefix(index, steps[0])
-            for o in steps:
-                merged = _concat_logprobs(merged, self.logprobs(index, o))
-            last = steps[-1]
-            choices.append(
-                CompletionChoice(
-                    index=index,
-                    text=prefix + last.output_text,
-                    logprobs=merged,
-                    finish_reason=last.finish_reason,
-                    stop_reason=last.stop_reason,
-                    prompt_logprobs=self.prompt_logprob_list(index, steps[0]),
-                )
-            )
-        return CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage)
-
-
-def _concat_logprobs(a: CompletionLogprobs | None, b: CompletionLogprobs | None) -> CompletionLogprobs | None:
-    if a is None or b is None:
-        return a or b
-    return CompletionLogprobs(
-        tokens=a.tokens + b.tokens,
-        token_logprobs=a.token_logprobs + b.token_logprobs,
-        top_logprobs=a.top_logprobs + b.top_logprobs,
-        text_offset=a.text_offset + b.text_offset,
-    )
-
-
-class _ChatFormat(_Format):
-    def __init__(self, *args: Any, tools: ToolCallFormatter | None = None):
-        """tools: finds tool calls in the output (requests with tools, tool_choice not none)."""
-        super().__init__(*args)
-        self.tools = tools
-
-    def logprobs(self, out: StreamOutput) -> ChatLogprobs | None:
-        if self.params.logprobs is None:
-            return None
-        return ChatLogprobs(
-            content=[
-                ChatTokenLogprob(
-                    token=token,
-                    logprob=logprob,
-                    bytes=list(token.encode()),
-                    top_logprobs=[TopLogprob(token=t, logprob=v, bytes=list(t.encode())) for t, v in top],
-                )
-                for token, logprob, top in self.token_logprobs(out)
-            ]
-        )
-
-    def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
-        return ChatCompletionChunk(
-            id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage
-        ).model_dump_json()
-
-    def first_chunks(self, num_choices: int) -> list[str]:
-        return [
-            self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-            for i in range(num_choices)
-        ]
-
-    def chunk(self, index: int, out: StreamOutput) -> str | None:
-        text, calls, finish = out.text, None, out.finish_reason
-        if self.tools is not None:
-            text, calls, finish = self.tools.delta(index, out.text, out.finish_reason)
-        if not (text or calls or out.finished or self.params.logprobs is not None):
-            return None
-        delta = DeltaMessage(content=text or None, tool_calls=calls)
-        return self._chunk(
-            [
-                ChatStreamChoice(
-                    index=index,
-                    delta=delta,
-                    logprobs=self.logprobs(out),
-                    finish_reason=finish,
-                    stop_reason=out.stop_reason,
-                )
-            ]
-        )
-
-    def usage_chunk(self, usage: UsageInfo) -> str:
-        return self._chunk([], usage)
-
-    def response(self, outs: dict[int, list[StreamOutput]], usage: UsageInfo) -> ChatCompletionResponse:
-        choices = []
-        for index, steps in outs.items():
-            last = steps[-1]
-            logprobs = None
-            if self.params.logprobs is not None:
-                logprobs = ChatLogprobs(content=[c for o in steps for c in (self.logprobs(o).content or [])])  # type: ignore[union-attr]
-            content, calls, finish = last.output_text, None, last.finish_reason
-            if self.tools is not None:
-                content, calls, finish = self.tools.message(last.output_text, last.finish_reason)
-            choices.append(
-                ChatChoice(
-                    index=index,
-                    message=ChatResponseMessage(content=content, tool_calls=calls),
-                    logprobs=logprobs,
-                    finish_reason=finish,
-                    stop_reason=last.stop_reason,
-                )
-            )
-        first = next(iter(outs.items()), None)
-        return ChatCompletionResponse(
-            id=self.rid,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=usage,
-            prompt_logprobs=self.prompt_logprob_list(first[0], first[1][0]) if first else None,
-        )
-
-
-class _Usage:
-    def __init__(self) -> None:
-        self.prompt: dict[int, int] = {}
-        self.completion = 0
-
-    def add(self, prompt_index: int, out: StreamOutput) -> None:
-        self.prompt[prompt_index] = out.num_prompt_tokens
-        if out.finished:
-            self.completion += out.num_output_tokens
-        rec = _access.get()
-        if rec is not None:
-            if "ttft_s" not in rec and out.token_ids:
-                rec["ttft_s"] = time.perf_counter() - rec["t0"]
-            rec["prompt_tokens"] = sum(self.prompt.values())
-            rec["completion_tokens"] = self.completion
-            if out.finished:
-                rec["finish_reason"] = out.finish_reason
-
-    def info(self) -> UsageInfo:
-        p = sum(self.prompt.values())
-        return UsageInfo(prompt_tokens=p, completion_tokens=self.completion, total_tokens=p + self.completion)
-
-
-# --------------------------------------------------------------------------- streaming
-
-
-def _sse(
-    fmt: _Format, streams: list[AsyncGenerator[StreamOutput, None]], n: int, include_usage: bool
-) -> StreamingResponse:
-    async def events() -> AsyncIterator[str]:
-        usage = _Usage()
-        try:
-            for c in fmt.first_chunks(len(streams) * n):
-                yield f"data: {c}\n\n"
-            async for j, out in _merge(streams):
-                if out.finish_reason == "error":
-                    code = out.error_code or 500
-                    err = ErrorResponse(
-                        error=ErrorInfo(
-                            message=out.error or "generation failed",
-                            type=ERROR_TYPES.get(code, "InternalServerError"),
-                            code=code,
-                        )
-                    )
-                    yield f"data: {err.model_dump_json()}\n\n"
-                    break
-                usage.add(j, out)
-                chunk = fmt.chunk(j * n + out.index, out)
-                if chunk is not None:
-                    yield f"data: {chunk}\n\n"
-            else:
-                if include_usage:
-                    yield f"data: {fmt.usage_chunk(usage.info())}\n\n"
-        except Exception as e:  # noqa: BLE001 - headers are sent: report in-band
-            resp = _error_for(e)
-            yield f"data: {resp.body.decode()}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream")
-
-
-async def _merge(streams: list[AsyncGenerator[StreamOutput, None]]) -> AsyncIterator[tuple[int, StreamOutput]]:
-    """Interleave several requests' outputs as (prompt index, output); closing the merge
-    closes (so aborts) every stream."""
-    if len(streams) == 1:
-        async with aclosing(streams[0]) as s:
-            async for out in s:
-                yield 0, out
-        return
-    q: asyncio.Queue[tuple[int, StreamOutput | BaseException | None]] = asyncio.Queue()
-
-    async def pump(j: int, s: AsyncGenerator[StreamOutput, None]) -> None:
-        try:
-            async with aclosing(s):
-                async for out in s:
-                    q.put_nowait((j, out))
-            q.put_nowait((j, None))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer
-            q.put_nowait((j, e))
-
-    tasks = [asyncio.create_task(pump(j, s)) for j, s in enumerate(streams)]
-    try:
-        left = len(tasks)
-        while left:
-            j, item = await q.get()
-            if item is None:
-                left -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield j, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | Response:

@@ -1,5 +1,7 @@
 """Built-in prompts for self-distilling a draft head: the target answers them, the head learns the answers.
 
+Over 500 lines: data, not logic (topic and template lists).
+
 Varied on purpose (chat instructions through the chat template, code, arithmetic, plain-text
 continuations) so the head sees the kinds of text a served model writes. Held-out prompts use
 topics, tasks and openings that never appear in training, so acceptance is not measured on
