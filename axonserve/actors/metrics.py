@@ -15,7 +15,7 @@ import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from axonserve.actors.runtime import SMALL_MESSAGE_BYTES, Actor
-from axonserve.protocol import Codec, DecodeError
+from axonserve.protocol import Codec
 from axonserve.protocol.messages import (
     ActorAlive,
     EncoderStats,
@@ -250,21 +250,12 @@ class MetricsActor(Actor):
         await asyncio.gather(self._ingest(), self._serve())
 
     async def _ingest(self) -> None:
-        while True:
-            frames = await self.pull.recv_multipart(copy=False)
+        async for ev, _ in self.messages(self.pull, _stats_codec, "stats event"):
             try:
-                ev, _ = _stats_codec.decode(frames)
                 self.metrics.apply(ev)
-            except (DecodeError, ValueError, TypeError, KeyError, IndexError, OverflowError) as e:
-                # junk, or a well-formed event with impossible values (a negative counter increment)
-                self.dropped("stats event", e)
+            except (ValueError, TypeError, KeyError, IndexError, OverflowError) as e:
+                self.dropped("stats event", e)  # well-formed, impossible values (a negative counter increment)
 
     async def _serve(self) -> None:
-        while True:
-            ident, *frames = await self.query.recv_multipart()
-            try:
-                _query_codec.decode(frames)
-            except DecodeError as e:
-                self.dropped("metrics query", e)
-                continue
+        async for _, _, ident in self.messages(self.query, _query_codec, "metrics query", routed=True):
             await self.query.send_multipart([ident, *Codec.encode(MetricsText(self.metrics.render()))])

@@ -51,13 +51,11 @@ class EncoderActor(Actor):
         return {"pid": os.getpid(), "threads": torch.get_num_threads()}
 
     async def run(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart(copy=False)
+        async for job, frames in self.messages(self.sock, _codec, "encode job"):
             try:
-                job, _ = _codec.decode(frames)
                 pixels = tensor_from_frame(job.pixel_values, frames)
             except DecodeError as e:
-                self.log.warning("bad_encode_job", error=str(e))
+                self.dropped("encode job", e)
                 continue
             t0 = time.perf_counter()
             try:

@@ -20,7 +20,7 @@ import zmq
 
 from axonserve.actors.runtime import Actor, bus_socket, data_message_bytes
 from axonserve.neuron.heap import collapse_huge_pages, keep_heap
-from axonserve.protocol import Codec, DecodeError
+from axonserve.protocol import Codec
 from axonserve.protocol.messages import ProfileAck, ProfileCommand, StepPlan
 
 _plan_codec = Codec(StepPlan | ProfileCommand)
@@ -119,13 +119,7 @@ class WorkerActor(Actor):
         return runner
 
     async def run(self) -> None:
-        while True:
-            frames = await self.sub.recv_multipart(copy=False)
-            try:
-                plan, _ = _plan_codec.decode(frames)
-            except DecodeError as e:
-                self.dropped("plan", e)
-                continue
+        async for plan, frames in self.messages(self.sub, _plan_codec, "plan"):
             if isinstance(plan, ProfileCommand):
                 ack = self._profile(plan)
                 if self.push is not None:

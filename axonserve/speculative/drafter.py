@@ -20,7 +20,7 @@ import zmq
 
 from axonserve.actors.runtime import Actor
 from axonserve.neuron.heap import keep_heap
-from axonserve.protocol import Codec, DecodeError
+from axonserve.protocol import Codec
 from axonserve.protocol.messages import (
     CachedRequestData,
     DraftRequest,
@@ -46,15 +46,8 @@ class DrafterActor(Actor):
         return self.proposer.info
 
     async def run(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart(copy=False)
-            ident = frames[0].bytes
+        async for msg, _, ident in self.messages(self.sock, _codec, "draft request", routed=True):
             t0 = time.perf_counter()
-            try:
-                msg, _ = _codec.decode(frames[1:])
-            except DecodeError as e:
-                self.dropped("draft request", e, sender=ident.decode(errors="replace"))
-                continue
             try:
                 for rid in msg.finished_request_ids:
                     self.proposer.drop(rid)
