@@ -18,6 +18,7 @@ event loop also stops waiting at the deadline (HTTP 400) whatever the thread doe
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import threading
 import time
@@ -61,11 +62,13 @@ _RESERVED = frozenset(
 )
 
 
-def _apply_chat_template_args() -> frozenset[str]:
-    """transformers' current argument names, so a new one is reserved without a change here."""
+@functools.cache
+def _reserved() -> frozenset[str]:
+    """Keys a request's chat_template_kwargs may not set: ours plus transformers' current
+    apply_chat_template arguments (a new one is reserved without a change here); read once."""
     from transformers import PreTrainedTokenizerBase
 
-    return frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
+    return _RESERVED | frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
 
 
 class TemplateTimeout(jinja2.TemplateError):
@@ -91,7 +94,7 @@ def request_template(
             )
         if not isinstance(override, str):
             raise ParamError(param, "chat_template must be a string")
-    reserved = _RESERVED | _apply_chat_template_args()
+    reserved = _reserved()
     for key in variables:
         if not isinstance(key, str) or not key.isidentifier() or key.startswith("_"):
             raise ParamError(

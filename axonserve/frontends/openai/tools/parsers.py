@@ -79,16 +79,9 @@ class _HermesScanner(Scanner):
                 i = self.pos = w.ws(self.pos)
                 if i == w.end:
                     return
-                if w.char(i) != "{":
-                    raise _Malformed(w.char(i))
-                self._call(i, self.ARG_KEYS)
-                self.phase = _CALL
-            if self.phase == _CALL:
-                if not self._advance_call():
-                    return
-                end = self.calls[-1].end
-                assert end is not None
-                self.phase, self.pos = _NEXT, end
+                self._expect_call(i)
+            if self.phase == _CALL and not self._advance_call(_NEXT):
+                return
             i = w.find(tag, self.pos)  # _NEXT: text between calls is skipped
             if i < 0:
                 self.pos = max(self.pos, w.end - len(tag) + 1)
@@ -141,8 +134,7 @@ class _Llama3Scanner(Scanner):
             if w.char(i) != "{":  # not a call: the whole output is content
                 self.phase, self.content_end = _CONTENT, w.end
                 return
-            self._call(i, self.ARG_KEYS)
-            self.phase = _CALL
+            self._call(i)
         self._advance_objects(";", None)  # text after the last call is dropped
 
 

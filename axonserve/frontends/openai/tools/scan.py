@@ -308,18 +308,29 @@ class Scanner:
             return self.calls[-1].need()
         return self._need()
 
-    def _call(self, start: int, arg_keys: tuple[str, ...]) -> None:
-        self.calls.append(_Call(start, arg_keys))
+    def _call(self, start: int) -> None:
+        """A call's object opens at `start` (phase _CALL)."""
+        self.calls.append(_Call(start, self.ARG_KEYS))
         self._in_call = True
+        self.phase = _CALL
 
-    def _advance_call(self) -> bool:
-        """Parse the open call on; True when it completed (well-formed)."""
+    def _expect_call(self, i: int) -> None:
+        """The format says a call's object starts at `i`."""
+        if self.w.char(i) != "{":
+            raise _Malformed(self.w.char(i))
+        self._call(i)
+
+    def _advance_call(self, then: int) -> bool:
+        """Parse the open call on; True when it completed well-formed (then phase `then`, at
+        the position after it)."""
         call = self.calls[-1]
         if not call.advance(self.w):
             return False
         if call.name_bad:
             raise _Malformed("name")
         self._in_call = False
+        assert call.end is not None
+        self.phase, self.pos = then, call.end
         return True
 
     def _advance_objects(self, sep: str, close: str | None) -> None:
@@ -332,20 +343,12 @@ class Scanner:
                 i = self.pos = w.ws(self.pos)
                 if i == w.end:
                     return
-                c = w.char(i)
-                if c == close:
+                if w.char(i) == close:
                     self.phase = _DONE
                     return
-                if c != "{":
-                    raise _Malformed(c)
-                self._call(i, self.ARG_KEYS)
-                self.phase = _CALL
-            if self.phase == _CALL:
-                if not self._advance_call():
-                    return
-                end = self.calls[-1].end
-                assert end is not None
-                self.phase, self.pos = _AFTER, end
+                self._expect_call(i)
+            if self.phase == _CALL and not self._advance_call(_AFTER):
+                return
             if self.phase == _AFTER:
                 j = self.pos = w.ws(self.pos)
                 if j == w.end:
