@@ -298,6 +298,19 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
         self.limits.validate()
         if self.max_waiting < 0 or self.max_waiting_tokens < 0 or self.request_timeout_s < 0:
             raise ValueError("max_waiting, max_waiting_tokens and request_timeout_s must be >= 0 (0: no bound)")
+        positive = (
+            "profile_max_steps",
+            "profile_max_traces",
+            "chat_template_timeout_s",
+            "max_image_pixels",
+            "max_image_decoded_bytes_per_request",
+            "image_fetch_timeout_s",
+            "max_image_bytes",
+            "max_images_per_request",
+        )
+        bad = [name for name in positive if not getattr(self, name) > 0]
+        if bad:
+            raise ValueError(f"{', '.join(bad)} must be > 0")
         if self.speculative is not None:
             self.speculative.validate()
             if self.bucketing:
