@@ -17,7 +17,7 @@ import structlog
 
 from axonserve import __version__
 from axonserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, RequestLimits, SpeculativeConfig
-from axonserve.engine.buckets import parse_buckets
+from axonserve.engine.buckets import parse_buckets, read_bucket_file
 from axonserve.logs import setup_logging
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -151,6 +151,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "xla"],
+        default="cpu",
+        help="where the worker ranks run: cpu (eager PyTorch + C++ kernels), xla (torch-xla: NeuronCores "
+        "with torch-neuronx, or PJRT CPU; implies --bucketing, every bucket compiled at start-up), auto "
+        "(xla when torch_neuronx is installed, else cpu)",
+    )
+    p.add_argument(
+        "--compile-cache-dir",
+        default="",
+        help="--device xla: root of the persistent compile cache, keyed by model, dtype, buckets, TP "
+        "degree and torch-xla version (default ~/.cache/axonserve/xla); never deleted at start",
+    )
+    p.add_argument(
         "--bucketing",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -186,6 +200,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="N,N,...",
         help="KV-length buckets for both phases (default: powers of two from 128 up "
         "to max_model_len); max_model_len is capped at the largest",
+    )
+    p.add_argument(
+        "--buckets",
+        default=None,
+        metavar="FILE",
+        help="the four bucket lists from a JSON file (`axonserve buckets plan --out`); implies "
+        "--bucketing, excludes the --*-buckets flags",
     )
     p.add_argument(
         "--speculative-config",
@@ -314,9 +335,25 @@ def requested_task(task: str, runner: str) -> str:
     return from_runner if task == "auto" else task
 
 
+def apply_bucket_file(args: argparse.Namespace) -> None:
+    """--buckets FILE: its lists replace the --*-buckets flags (given together: an error) and
+    bucketing is on."""
+    path = getattr(args, "buckets", None)
+    if not path:
+        return
+    names = ("context_batch", "context_len", "decode_batch", "decode_len")
+    given = [f"--{n.replace('_', '-')}-buckets" for n in names if getattr(args, f"{n}_buckets")]
+    if given:
+        raise ValueError(f"--buckets {path} and {', '.join(given)} are exclusive: the file sets every bucket list")
+    for name, vals in read_bucket_file(path).items():
+        setattr(args, f"{name}_buckets", vals)
+    args.bucketing = True
+
+
 def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
     from axonserve.neuron.model_source import resolve_model
 
+    apply_bucket_file(args)  # before the model: a bad file fails at once
     model_dir = resolve_model(args.model)
     return EngineConfig(
         model=model_dir,
@@ -345,6 +382,8 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         threads=args.threads,
         seed=args.seed,
         bucketing=args.bucketing,
+        device=args.device,
+        compile_cache_dir=os.path.abspath(args.compile_cache_dir) if args.compile_cache_dir else "",
         context_batch_buckets=args.context_batch_buckets,
         context_len_buckets=args.context_len_buckets,
         decode_batch_buckets=args.decode_batch_buckets,
@@ -515,6 +554,9 @@ def main(argv: list[str] | None = None) -> None:
 
     add_snapshot_parser(sub)
     add_validate_parser(sub)
+    from axonserve.engine.bucket_plan import add_buckets_parser
+
+    add_buckets_parser(sub)
     from axonserve.speculative.training.cli import add_train_eagle_parser
 
     add_train_eagle_parser(sub)

@@ -211,6 +211,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Neuron bucketing mode: every step padded to static shapes (see engine/buckets.py);
     # empty bucket lists are derived from max_num_seqs / max_num_batched_tokens / max_model_len
     bucketing: bool = False
+    # where the worker ranks run (axonserve/xla): cpu = eager PyTorch and our C++ kernels; xla = a
+    # torch-xla device (PJRT: NeuronCores with torch-neuronx, TPU, or PJRT CPU), always bucketed and
+    # compiled once per bucket at start-up; auto = xla when torch_neuronx imports, else cpu
+    device: str = "cpu"
+    compile_cache_dir: str = ""  # xla: the persistent compile cache's root ("": ~/.cache/axonserve/xla)
     context_batch_buckets: list[int] = []  # prefill (context encoding) batch sizes
     context_len_buckets: list[int] = []  # prefill chunk (query) lengths
     decode_batch_buckets: list[int] = []  # decode (token generation) batch sizes
@@ -281,6 +286,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
             from axonserve.neuron.pooling import resolve_task  # (reads config.json; no torch)
 
             self.task = resolve_task(self.model, self.task)
+        self.device = resolve_device(self.device)
+        if self.device == "xla":
+            self._check_xla()
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; supported: {', '.join(KV_CACHE_DTYPES)}"
@@ -315,6 +323,49 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.speculative.validate()
             if self.bucketing:
                 raise ValueError("speculative decoding is not supported in bucketing mode yet")
+
+    def _check_xla(self) -> None:
+        """The XLA runner always runs bucketed (static shapes); what it does not run is refused here,
+        at start-up, rather than failing steps later."""
+        self.bucketing = True
+        clash = [
+            name
+            for name, on in (
+                ("the embed task", self.task == "embed"),
+                ("speculative decoding", self.speculative is not None),
+                ("weight quantization", bool(self.quantization)),
+                ("an int8 KV cache", self.kv_cache_dtype != "auto"),
+                ("prefill/decode disaggregation", self.role != "both"),
+                ("tensor snapshots", bool(self.snapshot)),
+                ("multi-step decoding", self.num_scheduler_steps > 1),
+                ("encoder workers", self.encoder_workers > 0),
+                ("expert parallelism", self.enable_expert_parallel),
+            )
+            if on
+        ]
+        if clash:
+            raise ValueError(f"--device xla does not support {clash[0]} yet")
+        import importlib.util
+
+        from axonserve.xla.device import MISSING
+
+        if importlib.util.find_spec("torch_xla") is None:  # fail here, not in a worker after start-up
+            raise ValueError(MISSING)
+
+
+DEVICES = ("auto", "cpu", "xla")
+
+
+def resolve_device(device: str) -> str:
+    """auto -> xla when torch_neuronx is installed (a Trainium/Inferentia host), else cpu. Looked
+    up without importing it: importing torch-xla takes seconds and must happen in the worker."""
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r} is not supported; supported: {', '.join(DEVICES)}")
+    if device != "auto":
+        return device
+    import importlib.util
+
+    return "xla" if importlib.util.find_spec("torch_neuronx") is not None else "cpu"
 
 
 class Addresses(msgspec.Struct, kw_only=True):

@@ -26,6 +26,35 @@ TOKENIZER_FILES = (
 )
 
 
+def build_lane_venv(script: str, venv_var: str, venv: str, what: str) -> None:
+    """Run an optional lane's set-up script (scripts/setup-vllm, scripts/setup-xla: quick when its venv
+    is current). When it fails (no network, say) the lane's tests skip with the reason, except under
+    CI, where they fail: a lane never skips silently there."""
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def unavailable(reason: str) -> None:
+        msg = f"{what} need the venv at {venv}, which could not be built: {reason}"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+    try:
+        r = subprocess.run(
+            [os.path.join(repo, "scripts", script)],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            check=False,
+            env={**os.environ, venv_var: venv},
+        )
+    except subprocess.TimeoutExpired:
+        unavailable(f"scripts/{script} ran for more than 30 min")
+    if r.returncode != 0:
+        unavailable(f"scripts/{script} exited {r.returncode}:\n{(r.stdout + r.stderr)[-3000:]}")
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     """SmolLM2-135M-Instruct as an HF directory (converted once from the shipped GGUF)."""

@@ -9,15 +9,21 @@ our own extras are `axonserve:*`. The text exposition is served over the bus (`G
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
+import numpy as np
 import zmq
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from axonserve.actors.runtime import SMALL_MESSAGE_BYTES, Actor
 from axonserve.protocol import Codec
 from axonserve.protocol.messages import (
     ActorAlive,
+    BucketInfo,
+    CompileStats,
     EncoderStats,
     GetMetrics,
     MetricsText,
@@ -123,6 +129,114 @@ STEP_BUCKETS = (
 )
 
 
+# an XLA graph compiles in tens of milliseconds (tiny) to minutes (a large model's prefill)
+COMPILE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 180.0, 300.0, 450.0, 600.0)
+
+
+def _octaves(start: int, stop: int, per: int = 4) -> list[int]:
+    """`per` evenly spaced integer boundaries per octave above start, up to stop (powers of two
+    included), e.g. 512 -> 640, 768, 896, 1024, 1280, ..."""
+    out, lo = [], start
+    while lo < stop:
+        out += [lo + lo * i // per for i in range(1, per + 1)]
+        lo *= 2
+    return out
+
+
+# Fixed, fine boundaries for the shapes served: `axonserve buckets plan` picks bucket sizes among
+# them, so they must not depend on the traffic. Tokens: 1, 2, 4, 8, multiples of 16 up to 512,
+# then 4 per octave up to 131072. Batch sizes: every size up to 16, then 4 per octave up to 1024.
+TOKEN_BOUNDS = (1, 2, 4, 8, *range(16, 513, 16), *_octaves(512, 131072))
+BATCH_BOUNDS = (*range(1, 17), *_octaves(16, 1024))
+SHAPE_HISTOGRAMS = {  # name -> (help, boundaries)
+    "axonserve:step_query_tokens": ("Tokens a sequence computes in a step (its query length)", TOKEN_BOUNDS),
+    "axonserve:step_kv_tokens": ("KV length of a sequence in a step (computed + scheduled tokens)", TOKEN_BOUNDS),
+    "axonserve:step_batch_size": ("Sequences in a step", BATCH_BOUNDS),
+    "axonserve:step_max_query_tokens": (
+        "A step's longest query, counted once per sequence in it (what each row pads to before bucketing)",
+        TOKEN_BOUNDS,
+    ),
+    "axonserve:step_max_kv_tokens": (
+        "A step's longest KV length, counted once per sequence in it (what each row pads to before bucketing)",
+        TOKEN_BOUNDS,
+    ),
+}
+
+
+class ShapeHistograms:
+    """Histograms of the shapes served, by phase (prefill / decode), folded in a whole step at a
+    time (numpy, one call per list) instead of one `observe` per sequence: a step of 256 decodes
+    costs the metrics actor microseconds. A custom collector: a series appears once observed."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.bounds = {name: np.asarray(b, dtype=np.int64) for name, (_, b) in SHAPE_HISTOGRAMS.items()}
+        self.counts: dict[tuple[str, str], np.ndarray] = {}
+        self.sums: dict[tuple[str, str], int] = {}
+
+    def _series(self, name: str, phase: str) -> np.ndarray:
+        key = (name, phase)
+        if key not in self.counts:
+            self.counts[key] = np.zeros(len(self.bounds[name]) + 1, dtype=np.int64)
+            self.sums[key] = 0
+        return self.counts[key]
+
+    def observe(self, name: str, phase: str, values: list[int]) -> None:
+        if not values:
+            return
+        v = np.asarray(values, dtype=np.int64)
+        if v.min() < 0:
+            raise ValueError(f"{name}: negative value")
+        counts = self._series(name, phase)
+        counts += np.bincount(np.searchsorted(self.bounds[name], v), minlength=len(counts))
+        self.sums[(name, phase)] += int(v.sum())
+
+    def observe_n(self, name: str, phase: str, value: int, n: int) -> None:
+        """`value` observed n times."""
+        if value < 0 or n < 0:
+            raise ValueError(f"{name}: negative value")
+        self._series(name, phase)[np.searchsorted(self.bounds[name], value)] += n
+        self.sums[(name, phase)] += value * n
+
+    def record(self, ev: StepStats) -> None:
+        """One step's shapes, checked whole first (a bad event changes nothing)."""
+        phases = (
+            ("prefill", ev.prefill_query_lens, ev.prefill_kv_lens),
+            ("decode", ev.decode_query_lens or None, ev.decode_kv_lens),
+        )
+        for _, query, kv in phases:
+            if query is not None and len(query) != len(kv):
+                raise ValueError("query and KV lengths of different lengths")
+            if min(kv, default=0) < 0 or min(query or [0]) < 0:
+                raise ValueError("negative query or KV length")
+        for phase, query, kv in phases:
+            if kv:
+                self._step(phase, query, kv)
+
+    def _step(self, phase: str, query: list[int] | None, kv: list[int]) -> None:
+        """One step's sequences of one phase (query None: one token each)."""
+        n = len(kv)
+        if query is None:
+            self.observe_n("axonserve:step_query_tokens", phase, 1, n)
+            self.observe_n("axonserve:step_max_query_tokens", phase, 1, n)
+        else:
+            self.observe("axonserve:step_query_tokens", phase, query)
+            self.observe_n("axonserve:step_max_query_tokens", phase, max(query), n)
+        self.observe("axonserve:step_kv_tokens", phase, kv)
+        self.observe_n("axonserve:step_max_kv_tokens", phase, max(kv), n)
+        self.observe_n("axonserve:step_batch_size", phase, n, 1)
+
+    def collect(self):
+        for name, (doc, _) in SHAPE_HISTOGRAMS.items():
+            fam = HistogramMetricFamily(name, doc, labels=["model_name", "phase"])
+            les = [floatToGoString(b) for b in self.bounds[name]] + ["+Inf"]
+            for (n, phase), counts in sorted(self.counts.items()):
+                if n == name:
+                    cum = np.cumsum(counts).tolist()
+                    fam.add_metric([self.model, phase], list(zip(les, cum)), self.sums[(n, phase)])
+            yield fam
+
+
 def build_1_2_5(limit: int) -> list[int]:
     out, m = [], 1
     while True:
@@ -184,11 +298,24 @@ class EngineMetrics:
         self.mm_cache_hits = c("axonserve:mm_encoder_cache_hits", "Images served from the encoder cache")
         self.mm_encode = c("axonserve:mm_encode_seconds", "Time encoder jobs took (dispatch to features)")
         self.mm_retries = c("axonserve:mm_encode_retries", "Encoder jobs re-sent after their encoder died")
+        self.xla_compiles = c("axonserve:xla_compiles", "XLA graph compilations (worker rank 0)")
+        self.xla_compile_s = h("axonserve:xla_compile_seconds", "Time each XLA graph compilation took", COMPILE_BUCKETS)
+        self.xla_cache_hits = c(
+            "axonserve:xla_compile_cache_hits", "XLA graphs loaded from the persistent compile cache instead"
+        )
+        for m in (self.xla_compiles, self.xla_compile_s, self.xla_cache_hits):
+            m.labels(model_name)  # at 0 from the start: a dashboard tells "none yet" from "not exported"
+        self.shapes = ShapeHistograms(model_name)
+        r.register(self.shapes)
+        self.buckets = Info(
+            "axonserve:buckets", "Engine limits and the buckets in force (empty: bucketing off)", lbl, registry=r
+        )
 
     def apply(self, ev: object) -> None:
         m = self.model
         self.events.labels(m).inc()
         if isinstance(ev, StepStats):
+            self.shapes.record(ev)  # (first: it refuses a malformed event before anything counts it)
             self.running.labels(m).set(ev.num_running)
             self.waiting.labels(m).set(ev.num_waiting)
             self.kv_usage.labels(m).set(ev.kv_cache_usage)
@@ -228,6 +355,21 @@ class EngineMetrics:
             self.mm_cache_hits.labels(m).inc(ev.cache_hits)
             self.mm_encode.labels(m).inc(ev.encode_s)
             self.mm_retries.labels(m).inc(ev.retries)
+        elif isinstance(ev, CompileStats):
+            if not all(0 <= s < math.inf for s in ev.seconds) or ev.cache_hits < 0:
+                raise ValueError(f"impossible compile stats {ev}")
+            self.xla_compiles.labels(m).inc(len(ev.seconds))
+            for s in ev.seconds:
+                self.xla_compile_s.labels(m).observe(s)
+            self.xla_cache_hits.labels(m).inc(ev.cache_hits)
+        elif isinstance(ev, BucketInfo):
+            self.buckets.labels(m).info(
+                {
+                    f: ",".join(map(str, v)) if isinstance(v, list) else str(v)
+                    for f in BucketInfo.__struct_fields__
+                    for v in [getattr(ev, f)]
+                }
+            )
         elif isinstance(ev, ActorAlive):
             self.alive.labels(m, ev.actor).set(time.time())
             self.dropped.labels(m, ev.actor).set(ev.dropped)

@@ -255,6 +255,9 @@ class Supervisor:
             "eos_token_ids": list(w0["eos_token_ids"]),
             "vocab_size": int(w0["vocab_size"]),
             **{k: w0[k] for k in IMAGE_INFO if k in w0},  # vision-language models
+            # XLA: rank 0's start-up compiles (its step results report the later ones)
+            "compile_s": [float(x) for x in w0.get("compile_s", [])],
+            "compile_cache_hits": int(w0.get("compile_cache_hits", 0)),
         }
         await self._send(name, Configure(info))
 

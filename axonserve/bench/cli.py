@@ -13,9 +13,10 @@ def _quiet_http_logs() -> None:
 
 
 def add_bench_parser(subparsers) -> None:
-    """Register `bench serve|compare|bandwidth|step|setup-peers` on the top-level subparsers."""
+    """Register `bench serve|compare|bandwidth|step|device|setup-peers` on the top-level subparsers."""
     from axonserve.bench.bandwidth import add_bandwidth_args
     from axonserve.bench.compare import add_compare_args
+    from axonserve.bench.device import add_device_args
     from axonserve.bench.peers import add_setup_args
     from axonserve.bench.serve import add_serve_args
     from axonserve.bench.step import add_step_args
@@ -27,6 +28,7 @@ def add_bench_parser(subparsers) -> None:
     add_compare_args(sub.add_parser("compare", help="axonserve vs vLLM-CPU, llama.cpp, transformers"))
     add_bandwidth_args(sub.add_parser("bandwidth", help="memory read bandwidth and batch-1 decode ceiling"))
     add_step_args(sub.add_parser("step", help="engine overhead per step with a null model (scheduler+bus+worker)"))
+    add_device_args(sub.add_parser("device", help="one model's runner on the CPU backend vs the XLA device"))
     add_setup_args(sub.add_parser("setup-peers", help="create the peers' venvs (vLLM-CPU, llama.cpp)"))
 
 

@@ -28,7 +28,7 @@ import bisect
 import collections
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -49,6 +49,18 @@ from axonserve.protocol.messages import (
 )
 from axonserve.speculative.scheduler import SpecDecoding
 from axonserve.speculative.tree import tree_depths
+
+
+@dataclass(slots=True)
+class PlanShapes:
+    """What one plan asks of the model, per scheduled sequence: tokens this step (query) and
+    computed + scheduled tokens (KV), by phase. Published with the step's stats so the metrics
+    actor can histogram the traffic for `axonserve buckets plan`."""
+
+    prefill_q: list[int] = field(default_factory=list)
+    prefill_kv: list[int] = field(default_factory=list)
+    decode_q: list[int] = field(default_factory=list)
+    decode_kv: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -101,6 +113,7 @@ class Scheduler:
         self.spec = SpecDecoding(cfg.speculative) if cfg.speculative else None
         self.want_features = bool(cfg.speculative and cfg.speculative.method == "eagle")
         self.plan_frames: list[Any] = []  # the last plan's extra frames (new requests' images)
+        self.plan_shapes = PlanShapes()  # the last plan's shapes (for the stats)
 
     def _order_key(self, req: Request) -> tuple:
         return self._order[req.request_id]
@@ -419,7 +432,16 @@ class Scheduler:
         drafts: dict[str, list[int]] = {}
         parents: dict[str, list[int]] = {}
         self.plan_frames = []
+        self.plan_shapes = shapes = PlanShapes()
         for req, n in scheduled:
+            # a decode computes the one known token not yet computed (plus drafts or multi-step
+            # tokens); anything more is a prefill chunk (a prompt, or a recompute after preemption)
+            if req.num_tokens + req.num_pending - req.num_computed_tokens == 1 and req.pooling is None:
+                shapes.decode_q.append(n)
+                shapes.decode_kv.append(req.num_computed_tokens + n)
+            else:
+                shapes.prefill_q.append(n)
+                shapes.prefill_kv.append(req.num_computed_tokens + n)
             if req.num_spec_scheduled:
                 drafts[req.request_id] = req.spec_token_ids[: req.num_spec_scheduled]
                 req.verified_depth = req.num_spec_scheduled

@@ -35,6 +35,8 @@ from axonserve.protocol import ClientToEngine, Codec, DecodeError, TensorRef
 from axonserve.protocol.messages import (
     AbortRequest,
     AddRequest,
+    BucketInfo,
+    CompileStats,
     EngineDead,
     EngineInfo,
     EngineStats,
@@ -100,7 +102,25 @@ class SchedulerActor(Actor):
         self.encoders = EncoderStage(self, self, a.router) if cfg.encoder_workers and a.router else None
         self.prefill = PrefillStage(self, self, a.prefill) if cfg.role == "decode" else None
         self.proposals = ProposalStage(self, self, a.drafter) if cfg.speculative is not None else None
+        self._publish_startup(info)
         return {"num_kv_blocks": self.sched.cfg.num_kv_blocks, "max_model_len": max_len}
+
+    def _publish_startup(self, info: dict) -> None:
+        """For the metrics actor: the workers' start-up XLA compiles, and the limits and buckets in
+        force (what `axonserve buckets plan` compares a plan against)."""
+        secs, hits = list(info.get("compile_s") or []), int(info.get("compile_cache_hits") or 0)
+        if secs or hits:
+            self.publish(CompileStats(seconds=[float(x) for x in secs], cache_hits=hits))
+        b, cfg = self.sched.cfg.buckets, self.config
+        self.publish(
+            BucketInfo(  # the inputs BucketConfig.from_engine_config resolved the buckets from
+                max_model_len=int(info["max_model_len"]),
+                max_num_seqs=cfg.max_num_seqs,
+                max_num_batched_tokens=max(cfg.max_num_batched_tokens, 1),
+                block_size=cfg.block_size,
+                **(b.as_dict() if b is not None else {}),
+            )
+        )
 
     def _make_scheduler(self, info: dict) -> tuple[Scheduler, int]:
         """The scheduling policy, sized by what the workers measured (KV blocks, vocabulary)."""
@@ -198,7 +218,7 @@ class SchedulerActor(Actor):
         self._log_preempted(plan.finished_request_ids)
         t1 = time.perf_counter()
         await self.pub.send_multipart(Codec.encode(plan, self.sched.plan_frames), copy=False)
-        return Step(plan, t1 - t0, t1, time.perf_counter() - t1)
+        return Step(plan, t1 - t0, t1, time.perf_counter() - t1, shapes=self.sched.plan_shapes)
 
     async def _finish(self, step: Step) -> Step | None:
         """Await the step's result and fold it into the scheduler's state; None: the engine failed."""

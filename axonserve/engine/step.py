@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from axonserve.engine.scheduler import Scheduler
+from axonserve.engine.scheduler import PlanShapes, Scheduler
 from axonserve.protocol import DecodeError
-from axonserve.protocol.messages import RequestDelta, StepPlan, StepResult, StepStats
+from axonserve.protocol.messages import CompileStats, RequestDelta, StepPlan, StepResult, StepStats
 
 
 @dataclass(slots=True)
@@ -25,6 +25,7 @@ class Step:
     update_s: float = 0.0  # folding the result into the scheduler's state
     deltas: list[RequestDelta] = field(default_factory=list)  # its outputs, not emitted yet
     pooled: dict[str, memoryview] = field(default_factory=dict)  # embed task: vectors by request id
+    shapes: PlanShapes = field(default_factory=PlanShapes)  # what the plan asked of the model
 
 
 def result_problem(plan: StepPlan, r: object) -> str | None:
@@ -82,6 +83,7 @@ class StepStatsPublisher:
         per_pos = [a - b for a, b in zip(spec[3], self.last_per_pos)]
         self.last, self.last_per_pos = cur, spec[3]
         rt = step.roundtrip_s
+        shapes = step.shapes
         self.log.debug(
             "step",
             step_id=plan.step_id,
@@ -121,8 +123,14 @@ class StepStatsPublisher:
                 spec_accepted_tokens=d[7],
                 spec_accepted_per_pos=per_pos if any(per_pos) else [],
                 num_forwards=plan.num_forwards,
+                prefill_query_lens=shapes.prefill_q,
+                prefill_kv_lens=shapes.prefill_kv,
+                decode_query_lens=shapes.decode_q if max(shapes.decode_q, default=1) > 1 else [],
+                decode_kv_lens=shapes.decode_kv,
             )
         )
+        if result.compile_s or result.compile_cache_hits:
+            self.publish(CompileStats(seconds=result.compile_s, cache_hits=result.compile_cache_hits))
         s.ttft, s.itl = [], []
         for ev in s.finished_stats:
             self.publish(ev)

@@ -86,6 +86,8 @@ def mem_available_bytes() -> int:
 
 
 class ModelRunner:
+    inference_mode = True  # steps run under torch.inference_mode (XLA's lazy tensors cannot: no_grad)
+
     def __init__(self, config: EngineConfig, rank: int = 0, dist_init: str | None = None):
         """rank/dist_init: this worker's place in the tensor-parallel group of config.num_workers
         ranks; every rank must then execute the same plans (rank 0's StepResult is the answer)."""
@@ -288,7 +290,7 @@ class ModelRunner:
         self.result_tensors = []
         self._frames = frames
         try:
-            with torch.inference_mode():
+            with torch.inference_mode() if self.inference_mode else torch.no_grad():
                 result = self._execute(plan)
         except CollectiveError:  # the tensor-parallel group is broken: this rank cannot go on
             raise
@@ -342,7 +344,23 @@ class ModelRunner:
         return scheduled
 
     def _execute(self, plan: StepPlan) -> StepResult:
-        scheduled = self._apply_diff(plan)
+        work = self._work(plan, self._apply_diff(plan))
+        drafts = plan.draft_token_ids
+        if not work:
+            return StepResult(step_id=plan.step_id)
+        if self.task == "embed":
+            return self._execute_pooling(plan, work)
+        if plan.multi_step:
+            return self._execute_steps(plan, work)
+        if self.buckets is not None:
+            if drafts:
+                raise ValueError("speculative decoding is not supported in bucketing mode")
+            return self._execute_bucketed(plan, work, self.buckets)
+        return self._execute_flat(plan, work)
+
+    def _work(self, plan: StepPlan, scheduled: list[RequestState]) -> list[tuple[RequestState, int]]:
+        """(request, tokens this step) for each request with tokens scheduled, checked against
+        what the request knows (its tokens, the plan's drafts) and max_model_len."""
         drafts = plan.draft_token_ids
         work = []
         for st, n in zip(scheduled, plan.num_scheduled_tokens):
@@ -360,16 +378,10 @@ class ModelRunner:
                     f"request {st.request_id}: position {c + n} exceeds max_model_len {self.max_model_len}"
                 )
             work.append((st, n))
-        if not work:
-            return StepResult(step_id=plan.step_id)
-        if self.task == "embed":
-            return self._execute_pooling(plan, work)
-        if plan.multi_step:
-            return self._execute_steps(plan, work)
-        if self.buckets is not None:
-            if drafts:
-                raise ValueError("speculative decoding is not supported in bucketing mode")
-            return self._execute_bucketed(plan, work, self.buckets)
+        return work
+
+    def _execute_flat(self, plan: StepPlan, work: list[tuple[RequestState, int]]) -> StepResult:
+        drafts = plan.draft_token_ids
         # flat batch: decodes (1 token) first, then verifications (1 + k tokens) by length (equal
         # ones share one attention call), then prefill chunks; plan order kept within each group
         verifying = sorted((w for w in work if w[0].request_id in drafts), key=lambda w: w[1])
@@ -542,11 +554,15 @@ class ModelRunner:
             step_id=plan.step_id, pooled_request_ids=[st.request_id for st, _ in work], pooled=tensor_ref(1, pooled)
         )
 
-    def _prompt_logprobs(self, rows: list[tuple[RequestState, int, int]], hidden: torch.Tensor) -> list[PromptLogprobs]:
+    def _prompt_logprobs(
+        self, rows: list[tuple[RequestState, int, int]], hidden: torch.Tensor, compute_logits=None
+    ) -> list[PromptLogprobs]:
         """For prompt_logprobs requests: logprobs of the prompt tokens this chunk predicts.
 
         A chunk covers positions c..c+n-1 in hidden rows last-n+1..last; row j predicts prompt
-        token c+j+1 (token 0 has no logprob). Before num_computed_tokens moves on."""
+        token c+j+1 (token 0 has no logprob). Before num_computed_tokens moves on.
+        compute_logits: hidden rows -> logits (default: the model's LM head)."""
+        compute_logits = compute_logits or self.model.compute_logits
         out = []
         for st, n, last in rows:
             k, c = st.params.prompt_logprobs, st.num_computed_tokens
@@ -557,7 +573,7 @@ class ModelRunner:
             first = last - n + 1
             for j in range(0, m, _LOGPROB_ROWS):  # one [rows, vocab] tensor alive at a time
                 rows = min(_LOGPROB_ROWS, m - j)
-                logits = self.model.compute_logits(hidden[first + j : first + j + rows]).float()
+                logits = compute_logits(hidden[first + j : first + j + rows]).float()
                 lse = logits.logsumexp(dim=-1, keepdim=True)
                 target = torch.tensor(st.token_ids[c + 1 + j : c + 1 + j + rows])
                 chosen = logits.gather(1, target[:, None])

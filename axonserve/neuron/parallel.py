@@ -32,6 +32,9 @@ class TPInfo:
     rank: int = 0
     size: int = 1
     expert_parallel: bool = False
+    # model tensors on an XLA device reduce in the graph (xm.all_reduce: Neuron, TPU) or, on PJRT CPU,
+    # where XLA collectives across processes do nothing, through gloo on host copies
+    xla_in_graph: bool = False
 
 
 class CollectiveError(RuntimeError):
@@ -45,6 +48,7 @@ def init_tensor_parallel(
     *,
     expert_parallel: bool = False,
     timeout_s: float | None = None,
+    device: str = "cpu",
 ) -> None:
     """Join the group (unless the caller already did) before any model is built.
 
@@ -58,6 +62,7 @@ def init_tensor_parallel(
     if size > 1 and timeout_s:
         set_collective_timeout(timeout_s)
     TPInfo.rank, TPInfo.size, TPInfo.expert_parallel = rank, size, expert_parallel
+    TPInfo.xla_in_graph = device == "xla" and os.environ.get("PJRT_DEVICE", "CPU") != "CPU"
 
 
 def init_process_group(rank: int, size: int, init_method: str) -> None:
@@ -123,7 +128,22 @@ def _collective(op: str, fn: Callable[..., T], *args, **kwargs) -> T:
         ) from e
 
 
+def _on_xla(x: torch.Tensor) -> bool:
+    return x.device.type == "xla"
+
+
+def _via_host(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """PJRT CPU: the collective on a host copy (this ends the pending graph there), back to the device."""
+    return fn(x.cpu()).to(x.device)
+
+
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    if TPInfo.size > 1 and _on_xla(x):
+        if TPInfo.xla_in_graph:
+            import torch_xla.core.xla_model as xm
+
+            return xm.all_reduce(xm.REDUCE_SUM, x)
+        return _via_host(x, tp_all_reduce)
     if TPInfo.size > 1:
         if x.dtype == torch.float32:
             _collective("all_reduce", dist.all_reduce, x)
@@ -138,6 +158,12 @@ def tp_all_gather_last(x: torch.Tensor) -> torch.Tensor:
     """Concatenate every rank's x along the last dim."""
     if TPInfo.size == 1:
         return x
+    if _on_xla(x):
+        if TPInfo.xla_in_graph:
+            import torch_xla.core.xla_model as xm
+
+            return xm.all_gather(x, dim=x.dim() - 1)
+        return _via_host(x, tp_all_gather_last)
     parts = [torch.empty_like(x) for _ in range(TPInfo.size)]
     _collective("all_gather", dist.all_gather, parts, x.contiguous())
     return torch.cat(parts, dim=-1)

@@ -78,6 +78,8 @@ class WorkerActor(Actor):
             "vocab_size": r.vocab_size,
             "pid": os.getpid(),
             **r.image_info(),
+            "compile_s": list(getattr(r, "startup_compile_s", [])),
+            "compile_cache_hits": int(getattr(r, "startup_compile_cache_hits", 0)),
         }
 
     async def _load_in_own_thread(self):
@@ -91,7 +93,10 @@ class WorkerActor(Actor):
 
         import torch
 
-        from axonserve.neuron.model_runner import ModelRunner
+        if self.config.device == "xla":  # torch-xla is imported only by workers that run on it
+            from axonserve.xla.runner import XlaModelRunner as ModelRunner
+        else:
+            from axonserve.neuron.model_runner import ModelRunner
 
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()

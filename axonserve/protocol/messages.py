@@ -394,6 +394,10 @@ class StepResult(_Msg, tag=21):
     draft_token_ids: list[list[int]] = []
     draft_parents: list[list[int]] = []  # aligned with draft_token_ids when they are trees; empty: chains
     kv_exports: list[KVBlocks] = []  # P/D prefill: prompt KV of kv_export requests sampled this step
+    # XLA: seconds of each graph compilation this worker ran since its previous result, and the
+    # persistent compile-cache hits since then (the scheduler forwards them as CompileStats)
+    compile_s: list[float] = []
+    compile_cache_hits: int = 0
 
 
 class DraftRequest(_Msg, tag=22):
@@ -431,7 +435,7 @@ class Hello(_Msg, tag=30):
 
 class Ready(_Msg, tag=31):
     name: str
-    info: dict[str, int | float | str | list[int]] = {}
+    info: dict[str, int | float | str | list[int | float]] = {}  # (floats: XLA compile seconds)
 
 
 class Heartbeat(_Msg, tag=32):
@@ -453,7 +457,7 @@ class ActorFailed(_Msg, tag=34):
 class Configure(_Msg, tag=35):
     """Supervisor -> actor after all peers are ready: facts learned at start-up."""
 
-    info: dict[str, int | float | str | list[int]] = {}
+    info: dict[str, int | float | str | list[int | float]] = {}
 
 
 # --------------------------------------------------------------------------- stats bus
@@ -489,6 +493,13 @@ class StepStats(_Msg, tag=40):
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
     num_forwards: int = 0  # model forwards the step ran (a multi-step plan: several)
+    # shapes served (for `axonserve buckets plan`): per scheduled sequence, tokens this step
+    # (query) and computed + scheduled tokens (KV), by phase (prefill chunk / decode token);
+    # a phase's batch size is its list's length. decode_query_lens empty: one each.
+    prefill_query_lens: list[int] = []
+    prefill_kv_lens: list[int] = []
+    decode_query_lens: list[int] = []
+    decode_kv_lens: list[int] = []
 
 
 class RequestStats(_Msg, tag=41):
@@ -607,7 +618,29 @@ class EncoderStats(_Msg, tag=45):
     retries: int = 0  # jobs sent again after their encoder died
 
 
-StatsEvent = Union[StepStats, RequestStats, ActorAlive, EncoderStats]
+class CompileStats(_Msg, tag=46):
+    """Scheduler -> metrics: XLA graph compilations worker rank 0 reported (at start-up, or
+    with a step result): seconds of each, and persistent compile-cache hits."""
+
+    seconds: list[float] = []
+    cache_hits: int = 0
+
+
+class BucketInfo(_Msg, tag=47):
+    """Scheduler -> metrics, once ready: the engine limits and the buckets in force (empty
+    lists: bucketing off), so `axonserve buckets plan` can compare against them."""
+
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    context_batch: list[int] = []
+    context_len: list[int] = []
+    decode_batch: list[int] = []
+    decode_len: list[int] = []
+
+
+StatsEvent = Union[StepStats, RequestStats, ActorAlive, EncoderStats, CompileStats, BucketInfo]
 
 ClientToEngine = Union[AddRequest, AbortRequest, GetEngineInfo, GetStats, StartProfile, StopProfile]
 EngineToClient = Union[Outputs, EngineInfo, EngineDead, EngineStats, ProfileStatus]

@@ -15,7 +15,14 @@ from axonserve.actors.supervisor import Supervisor
 from axonserve.config import EngineConfig
 from axonserve.frontends.client import AsyncEngineClient
 from axonserve.protocol import Codec
-from axonserve.protocol.messages import GetMetrics, MetricsText, SamplingParams, StepStats
+from axonserve.protocol.messages import (
+    BucketInfo,
+    CompileStats,
+    GetMetrics,
+    MetricsText,
+    SamplingParams,
+    StepStats,
+)
 
 
 async def fetch_metrics(address: str) -> dict[str, float]:
@@ -93,6 +100,67 @@ def test_metric_families_fold_events():
     assert m["vllm:num_requests_running{}"] == 3 and m["vllm:kv_cache_usage_perc{}"] == 0.5
     assert m["vllm:generation_tokens_total{}"] == 7
     assert m["vllm:inter_token_latency_seconds_count{}"] == 2
+
+
+def test_xla_compile_metrics():
+    """Counters at 0 before any compile; each CompileStats adds its compiles, their times and
+    cache hits; impossible values are refused (the actor drops the event)."""
+    em = EngineMetrics("m")
+    m = parse(em.render())
+    assert m["axonserve:xla_compiles_total{}"] == 0 and m["axonserve:xla_compile_cache_hits_total{}"] == 0
+    assert m["axonserve:xla_compile_seconds_count{}"] == 0
+    em.apply(CompileStats(seconds=[0.04, 2.0, 300.0], cache_hits=5))  # start-up
+    em.apply(CompileStats(seconds=[1.5]))  # a step that met a new shape
+    em.apply(CompileStats(cache_hits=2))
+    m = parse(em.render())
+    assert m["axonserve:xla_compiles_total{}"] == 4
+    assert m["axonserve:xla_compile_cache_hits_total{}"] == 7
+    assert m["axonserve:xla_compile_seconds_count{}"] == 4
+    assert m["axonserve:xla_compile_seconds_sum{}"] == pytest.approx(303.54)
+    assert m["axonserve:xla_compile_seconds_bucket{le=0.05}"] == 1
+    assert m["axonserve:xla_compile_seconds_bucket{le=2.5}"] == 3
+    assert m["axonserve:xla_compile_seconds_bucket{le=600.0}"] == 4
+    for bad in (CompileStats(seconds=[-1.0]), CompileStats(seconds=[float("nan")]), CompileStats(cache_hits=-1)):
+        with pytest.raises(ValueError):
+            em.apply(bad)
+    assert parse(em.render())["axonserve:xla_compiles_total{}"] == 4
+
+
+def test_shape_histograms_and_bucket_info():
+    em = EngineMetrics("m")
+    em.apply(
+        StepStats(
+            num_running=3,
+            num_waiting=0,
+            kv_cache_usage=0.1,
+            prefill_query_lens=[20, 300],
+            prefill_kv_lens=[36, 300],
+        )
+    )
+    em.apply(StepStats(num_running=3, num_waiting=0, kv_cache_usage=0.1, decode_kv_lens=[50, 60, 70]))
+    em.apply(BucketInfo(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=512, block_size=16, decode_len=[512]))
+    m = parse(em.render())
+    assert m["axonserve:step_query_tokens_bucket{le=32.0,phase=prefill}"] == 1
+    assert m["axonserve:step_query_tokens_sum{phase=prefill}"] == 320
+    assert m["axonserve:step_query_tokens_sum{phase=decode}"] == 3  # one token each
+    assert m["axonserve:step_kv_tokens_bucket{le=48.0,phase=prefill}"] == 1
+    assert m["axonserve:step_batch_size_bucket{le=2.0,phase=prefill}"] == 1
+    assert m["axonserve:step_batch_size_bucket{le=2.0,phase=decode}"] == 0
+    assert m["axonserve:step_batch_size_bucket{le=3.0,phase=decode}"] == 1
+    # the step's longest, once per row: both prefill rows at 300, the three decode rows at 70
+    assert m["axonserve:step_max_query_tokens_bucket{le=288.0,phase=prefill}"] == 0
+    assert m["axonserve:step_max_query_tokens_bucket{le=304.0,phase=prefill}"] == 2
+    assert m["axonserve:step_max_kv_tokens_sum{phase=decode}"] == 210
+    assert m["axonserve:step_max_kv_tokens_count{phase=decode}"] == 3
+    info = [k for k in m if k.startswith("axonserve:buckets_info")]
+    assert info == [
+        "axonserve:buckets_info{block_size=16,context_batch=,context_len=,decode_batch=,decode_len=512,"
+        "max_model_len=512,max_num_batched_tokens=512,max_num_seqs=8}"
+    ]
+    with pytest.raises(ValueError):
+        em.apply(StepStats(num_running=0, num_waiting=0, kv_cache_usage=0, prefill_query_lens=[1], prefill_kv_lens=[]))
+    with pytest.raises(ValueError):
+        em.apply(StepStats(num_running=0, num_waiting=0, kv_cache_usage=0, decode_kv_lens=[-3]))
 
 
 async def test_publish_never_blocks_and_counts_drops(tmp_path):

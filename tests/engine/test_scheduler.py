@@ -278,7 +278,8 @@ def test_bucket_selection_and_defaults():
     b = buckets(decode_len=[10, 40, 40], context_batch=[4, 1])  # explicit: sorted, deduped, rounded
     assert b.decode_len == (12, 40) and b.context_batch == (1, 4)
     assert b.decode_shape(3, 13) == ("decode", 4, 1, 40)
-    assert b.prefill_shape(2, 9, 12) == ("prefill", 4, 16, 12)
+    # the KV bucket holds at least the query bucket (16 > 12: the next KV bucket, 40)
+    assert b.prefill_shape(2, 9, 12) == ("prefill", 4, 16, 40)
     assert b.contains(("decode", 4, 1, 40)) and not b.contains(("decode", 3, 1, 40))
     assert not b.contains(("prefill", 4, 16, 13))
     assert parse_buckets("1, 2,8") == [1, 2, 8] and parse_buckets("") == []

@@ -42,11 +42,14 @@ def health(base_url: str, timeout: float = 2.0) -> int | None:
 
 
 @contextlib.contextmanager
-def serve(model_dir: str, *args: str, start_timeout: float = 180.0) -> Iterator[Served]:
+def serve(
+    model_dir: str, *args: str, start_timeout: float = 180.0, python: str | None = None, env: dict | None = None
+) -> Iterator[Served]:
+    """python: the interpreter to serve with (another venv's, say .venv-xla's); env: extra variables."""
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="axonserve-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "axonserve.cli", "serve", model_dir, "--port", str(port), *args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [python or sys.executable, "-m", "axonserve.cli", "serve", model_dir, "--port", str(port), *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     served = Served(f"http://127.0.0.1:{port}", proc, log.name)
     failed = True

@@ -43,20 +43,10 @@ def _unavailable(reason: str) -> None:
 
 @pytest.fixture(scope="session")
 def vllm_python() -> str:
+    from conftest import build_lane_venv
+
     py = os.path.join(VENV, "bin", "python")
-    try:
-        r = subprocess.run(
-            [os.path.join(REPO, "scripts", "setup-vllm")],
-            capture_output=True,
-            text=True,
-            timeout=1800,
-            check=False,
-            env={**os.environ, "AXONSERVE_VLLM_VENV": VENV},
-        )
-    except subprocess.TimeoutExpired:
-        _unavailable("scripts/setup-vllm ran for more than 30 min")
-    if r.returncode != 0:
-        _unavailable(f"scripts/setup-vllm exited {r.returncode}:\n{(r.stdout + r.stderr)[-3000:]}")
+    build_lane_venv("setup-vllm", "AXONSERVE_VLLM_VENV", VENV, "vLLM plugin tests")
     probe = subprocess.run(
         [py, "-c", "import axonserve.frontends.vllm_plugin.executor"],
         capture_output=True,

@@ -53,6 +53,11 @@ def kernels() -> ModuleType | None:
     return _state["mod"]
 
 
+def disable() -> None:
+    """No kernels in this process from now on (a worker on the XLA device: they take host tensors)."""
+    _state["mod"] = None
+
+
 def for_dtype(dtype: torch.dtype) -> ModuleType | None:
     """The kernels for a model running in `dtype` (they are written for float32 and bfloat16)."""
     return kernels() if dtype in (torch.float32, torch.bfloat16) else None
