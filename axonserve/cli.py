@@ -92,6 +92,30 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         dest="request_timeout_s",
         help="a request older than this ends with an error (HTTP 408) and frees its KV cache (0: none)",
     )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="self-healing: dead or hung actors (worker ranks, scheduler, metrics, encoders, ...) restarted "
+        "at most this many times within --restart-window; past it the engine fails (0: fail at once)",
+    )
+    p.add_argument("--restart-window", type=float, default=600.0, metavar="SECONDS", dest="restart_window_s")
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        dest="heartbeat_timeout_s",
+        help="an actor silent this long (its heartbeat thread stopped: a dead or stopped process) is replaced",
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        dest="step_timeout_s",
+        help="a step the worker ranks have not answered in this long: they are hung and are replaced",
+    )
     lim = RequestLimits()
     p.add_argument(
         "--max-request-fanout",
@@ -373,6 +397,10 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         max_waiting=args.max_waiting,
         max_waiting_tokens=args.max_waiting_tokens,
         request_timeout_s=args.request_timeout_s,
+        max_restarts=args.max_restarts,
+        restart_window_s=args.restart_window_s,
+        heartbeat_timeout_s=args.heartbeat_timeout_s,
+        step_timeout_s=args.step_timeout_s,
         limits=RequestLimits(**{f: getattr(args, f) for f in RequestLimits.__struct_fields__}),
         dtype=args.dtype,
         quantization=args.quantization,

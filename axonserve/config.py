@@ -268,6 +268,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     step_timeout_s: float = 300.0  # a step result later than this: the workers are stuck
     dist_timeout_s: float = 15.0  # a rank waiting this long in one collective fails: a peer rank died or hung
     ready_timeout_s: float = 600.0
+    # self-healing (actors/supervisor.py): a dead or hung worker group, scheduler, metrics actor, snapshot
+    # sink, encoder, router or drafter is replaced, its requests resumed; past max_restarts restarts
+    # within restart_window_s the engine fails as with max_restarts = 0 (fail-stop)
+    max_restarts: int = 5
+    restart_window_s: float = 600.0
     failure_grace_s: float = 3.0  # after a death: time to flush errors before everything stops
     log_format: str = "console"  # console | json
     log_level: str = "info"
@@ -304,6 +309,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
             if clash:
                 raise ValueError(f"multi-step decoding (num_scheduler_steps > 1) is not supported with {clash[0]}")
         self.limits.validate()
+        if self.max_restarts < 0:
+            raise ValueError("max_restarts must be >= 0 (0: fail-stop)")
         if self.max_waiting < 0 or self.max_waiting_tokens < 0 or self.request_timeout_s < 0:
             raise ValueError("max_waiting, max_waiting_tokens and request_timeout_s must be >= 0 (0: no bound)")
         positive = (
@@ -315,6 +322,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
             "image_fetch_timeout_s",
             "max_image_bytes",
             "max_images_per_request",
+            "restart_window_s",
+            "heartbeat_timeout_s",
+            "step_timeout_s",
         )
         bad = [name for name in positive if not getattr(self, name) > 0]
         if bad:

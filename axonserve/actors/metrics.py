@@ -28,6 +28,7 @@ from axonserve.protocol.messages import (
     GetMetrics,
     MetricsText,
     RequestStats,
+    RestartStats,
     StatsEvent,
     StepStats,
 )
@@ -303,6 +304,15 @@ class EngineMetrics:
         self.xla_cache_hits = c(
             "axonserve:xla_compile_cache_hits", "XLA graphs loaded from the persistent compile cache instead"
         )
+        # self-healing: restarts by actor ("workers": a rank group), and requests resumed after one.
+        # (A restarted metrics actor starts every counter again from 0: Prometheus' rate() and increase()
+        # take a counter reset as one)
+        self.restarts = c("axonserve:actor_restarts", "Actors replaced after dying or hanging", ["actor"])
+        self.restart_s = h(
+            "axonserve:actor_restart_seconds", "Time from a failure to its replacement ready", COMPILE_BUCKETS
+        )
+        self.resumed = c("axonserve:requests_resumed", "In-flight requests resumed after a restart")
+        self.resumed.labels(model_name)
         for m in (self.xla_compiles, self.xla_compile_s, self.xla_cache_hits):
             m.labels(model_name)  # at 0 from the start: a dashboard tells "none yet" from "not exported"
         self.shapes = ShapeHistograms(model_name)
@@ -362,6 +372,13 @@ class EngineMetrics:
             for s in ev.seconds:
                 self.xla_compile_s.labels(m).observe(s)
             self.xla_cache_hits.labels(m).inc(ev.cache_hits)
+        elif isinstance(ev, RestartStats):
+            if not 0 <= ev.seconds < math.inf or ev.requests_resumed < 0 or len(ev.actor) > 64:
+                raise ValueError(f"impossible restart stats {ev}")
+            if ev.actor:
+                self.restarts.labels(m, ev.actor).inc()
+                self.restart_s.labels(m).observe(ev.seconds)
+            self.resumed.labels(m).inc(ev.requests_resumed)
         elif isinstance(ev, BucketInfo):
             self.buckets.labels(m).info(
                 {

@@ -2,6 +2,10 @@
 
 Life of an actor (driven by `Actor.main`):
     Hello -> setup() [heavy: load weights, bind sockets] -> Ready(info) -> run() ... -> teardown()
+From Ready on, a thread of the actor's own sends its heartbeats to the supervisor, whatever its event
+loop is doing: a process that is stopped or dead stops beating (that is what liveness means), a
+loop that is merely busy does not (long work is bounded elsewhere: a worker's step by the
+scheduler's step timeout; the frontend keeps request-sized work off its loop).
 A control task listens to the supervisor the whole time: `Shutdown` stops the actor,
 `ActorFailed` about a peer calls `on_peer_failed`, `Configure` delivers facts learned at
 start-up (e.g. the KV block count the workers measured) to `self.configured`.
@@ -24,6 +28,8 @@ from axonserve.protocol import Codec, Control, DecodeError
 from axonserve.protocol.messages import (
     ActorAlive,
     ActorFailed,
+    ActorRestarted,
+    ActorRestarting,
     Configure,
     Heartbeat,
     Hello,
@@ -73,10 +79,6 @@ def supervisor_name(identity: bytes) -> str:
 
 class Actor:
     kind: ClassVar[str] = ""
-    # Heartbeats from a thread of their own: for actors whose loop runs long blocking work (a
-    # worker's forward pass), so a long step is not taken for a hang. A stopped process still
-    # stops beating; a stuck step is caught by the scheduler's step timeout instead.
-    beat_in_thread: ClassVar[bool] = False
 
     def __init__(self, spec: ActorSpec):
         self.spec = spec
@@ -99,6 +101,7 @@ class Actor:
             self._stats_sock.setsockopt(zmq.SNDHWM, 10_000)
             self._stats_sock.connect(self.addresses.stats)
         self.stats_dropped = 0
+        self._loop_tick = time.monotonic()  # the event loop's last heartbeat tick (_heartbeat_loop)
 
     # ------------------------------------------------------------------ overridables
 
@@ -112,6 +115,12 @@ class Actor:
 
     async def on_peer_failed(self, name: str, reason: str) -> None:
         """A peer died or hung (told by the supervisor)."""
+
+    async def on_peer_restarting(self, name: str, reason: str) -> None:
+        """A peer (or "workers": the rank group) died or hung and is being replaced."""
+
+    async def on_peer_restarted(self, name: str, seconds: float, info: dict[str, Any]) -> None:
+        """A peer's replacement is ready."""
 
     async def teardown(self) -> None:
         """Release resources; sockets are closed by the runtime afterwards."""
@@ -194,6 +203,8 @@ class Actor:
         await self.send_control(Hello(self.name, os.getpid()))
         control_task = asyncio.create_task(self._control_loop(), name="control")
         code = 0
+        beats = threading.Event()  # set: the heartbeat thread stops
+        beater: threading.Thread | None = None
         try:
             setup = asyncio.create_task(self.setup(), name="setup")
             await _first(setup, self.stopping)
@@ -203,19 +214,17 @@ class Actor:
             info = setup.result()
             await self.send_control(Ready(self.name, info))
             self.log.info("ready", **{k: v for k, v in info.items() if not isinstance(v, list)})
+            self._loop_tick = time.monotonic()  # setup may have taken long: not a stall
             hb = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
-            beats = threading.Event()
-            if self.beat_in_thread:
-                threading.Thread(target=self._beat_in_thread, args=(beats,), name="heartbeat", daemon=True).start()
+            beater = threading.Thread(target=self._beat_in_thread, args=(beats,), name="heartbeat", daemon=True)
+            beater.start()
             run = asyncio.create_task(self.run(), name="run")
-            try:
-                await _first(run, self.stopping)
-            finally:
-                beats.set()
+            await _first(run, self.stopping)
             if run.done() and run.exception() is not None:
                 raise run.exception()  # type: ignore[misc]
             run.cancel()
             hb.cancel()
+            self._loop_tick = float("inf")  # no more ticks from here on, and no stall either
         except Exception as e:  # noqa: BLE001 - an actor reports, then dies with non-zero
             self.log.exception("actor_crashed")
             await self.report_failure(f"{type(e).__name__}: {e}")
@@ -226,6 +235,9 @@ class Actor:
                 await asyncio.wait_for(self.teardown(), 5.0)
             except Exception:  # noqa: BLE001
                 self.log.exception("teardown_failed")
+            beats.set()  # beating through teardown; its socket must close before the context
+            if beater is not None:
+                await asyncio.to_thread(beater.join, 2.0)
             self.close()
         return code
 
@@ -256,31 +268,52 @@ class Actor:
             elif isinstance(msg, Configure):
                 if not self.configured.done():
                     self.configured.set_result(msg.info)
+            elif isinstance(msg, (ActorRestarting, ActorRestarted)):
+                try:
+                    if isinstance(msg, ActorRestarting):
+                        await self.on_peer_restarting(msg.name, msg.reason)
+                    else:
+                        await self.on_peer_restarted(msg.name, msg.seconds, dict(msg.info))
+                except Exception:  # noqa: BLE001
+                    self.log.exception("on_peer_restart_error", peer=msg.name)
             else:
                 self.log.warning("unexpected_control_message", type=type(msg).__name__)
 
     async def _heartbeat_loop(self) -> None:
+        """The loop's side: `ActorAlive` on the stats bus, and the tick the heartbeat thread reads
+        to tell a stalled loop (logged, not fatal) from a busy one."""
         pid = os.getpid()
         while True:
-            if not self.beat_in_thread:
-                await self.send_control(Heartbeat(self.name, time.time()))
+            self._loop_tick = time.monotonic()
             self.publish(ActorAlive(self.name, pid, self.stats_dropped))
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
     def _beat_in_thread(self, stop: threading.Event) -> None:
-        """Heartbeats on a socket of this thread (zmq sockets are single-threaded)."""
+        """Heartbeats on a socket of this thread (zmq sockets are single-threaded) until `stop`.
+        A loop that has not ticked for heartbeat_timeout_s is logged once (and its end), never
+        reported as a failure: only a process that cannot run this thread is dead."""
         sock = bus_socket(zmq.Context.shadow(self.ctx.underlying), zmq.DEALER, SMALL_MESSAGE_BYTES)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, (self.name + HEARTBEAT_SUFFIX).encode())
         sock.connect(self.addresses.control)
+        stalled = False
         try:
             while True:
                 try:
                     sock.send_multipart(Codec.encode(Heartbeat(self.name, time.time())), flags=zmq.NOBLOCK)
                 except zmq.Again:  # the supervisor is not reading: nothing to tell it
                     pass
+                lag = time.monotonic() - self._loop_tick
+                if not stalled and lag > self.config.heartbeat_timeout_s:
+                    self.log.warning("event_loop_stalled", seconds=round(lag, 1))
+                    stalled = True
+                elif stalled and lag <= self.config.heartbeat_timeout_s:
+                    self.log.info("event_loop_resumed")
+                    stalled = False
                 if stop.wait(self.config.heartbeat_interval_s):
                     return
+        except zmq.ZMQError as e:  # the context is going away: the actor is shutting down
+            self.log.info("heartbeat_thread_stopped", error=str(e))
         finally:
             sock.close()
 

@@ -1,11 +1,20 @@
-"""Supervisor: starts every actor process, knows who is alive, stops them all.
+"""Supervisor: starts every actor process, knows who is alive, replaces the dead, stops them all.
 
 Start-up: spawn workers, scheduler (and frontend) at once -> each says Hello, loads, says
 Ready -> once every worker is Ready the scheduler is sent `Configure` (KV block count and
-limits the workers measured) -> all Ready: serving. A process that exits, misses heartbeats
-or reports a failure marks the whole engine failed: every survivor is told (in-flight
-requests end with errors, /health turns 503), then after a short grace everything stops
-and the supervisor's exit code is non-zero. Children die with the supervisor (PDEATHSIG).
+limits the workers measured) -> all Ready: serving.
+
+Self-healing: a process that exits, misses heartbeats or is reported failed (a worker rank by
+the scheduler's step timeout) is replaced, and every survivor is told (`ActorRestarting`, then
+`ActorRestarted` once the replacement is Ready) so work that depends on it pauses instead of
+failing. A worker rank takes its whole rank group with it (their collective group is broken, and
+KV is sharded across them); the scheduler resumes its requests on the new group. A scheduler is
+replaced alone (the ranks and their loaded model stay), and its clients resubmit what was in
+flight. Metrics, snapshot sink, encoders, router and drafter restart in place. Past
+`max_restarts` within `restart_window_s`, and for the frontend and a P/D prefill engine, a
+failure marks the whole engine failed as before: every survivor is told (in-flight requests end
+with errors, /health turns 503), then after a short grace everything stops and the supervisor's
+exit code is non-zero. Children die with the supervisor (PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
@@ -31,10 +41,13 @@ from axonserve.config import ActorSpec, Addresses, EngineConfig
 from axonserve.protocol import Codec, Control, DecodeError
 from axonserve.protocol.messages import (
     ActorFailed,
+    ActorRestarted,
+    ActorRestarting,
     Configure,
     Heartbeat,
     Hello,
     Ready,
+    RestartStats,
     Shutdown,
 )
 
@@ -43,6 +56,7 @@ _codec = Codec(Control)
 IMAGE_INFO = ("image_token_id", "image_tokens", "image_size", "hidden_size")
 RUN_DIR_ENV = "AXONSERVE_RUN_DIR"  # where the run directory (the ipc:// bus sockets) is made; default: $TMPDIR
 SECRET_ENV = ("AXONSERVE_API_KEY", "VLLM_API_KEY")  # only the frontend, which checks it, inherits these
+RESTART_IN_PLACE = ("metrics", "snapshot", "encoder", "router", "drafter")  # nothing depends on their state
 
 
 class StartupError(RuntimeError):
@@ -92,6 +106,12 @@ class Supervisor:
         self._stopped = False
         self._tasks: list[asyncio.Task] = []
         self._junk = 0  # undecodable control messages dropped
+        self._restarts: deque[float] = deque()  # when each restart began (within restart_window_s)
+        # event name ("workers" or an actor's) -> (start, cause, the actors replaced)
+        self.restarting: dict[str, tuple[float, str, list[str]]] = {}
+        self.num_restarts = 0
+        # in-process clients (the offline LLM's) hear what the frontend actor hears: restarts, failure
+        self.listeners: list = []
 
     # ------------------------------------------------------------------ start
 
@@ -107,7 +127,13 @@ class Supervisor:
         self.control = bus_socket(self.ctx, zmq.ROUTER, SMALL_MESSAGE_BYTES)
         self.control.setsockopt(zmq.LINGER, 0)
         self.control.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.control.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a replacement takes over its predecessor's identity
         self.control.bind(self.addresses.control)
+        self._stats = None
+        if self.addresses.stats:  # restart counts for the metrics actor
+            self._stats = bus_socket(zmq.Context.shadow(self.ctx.underlying), zmq.PUSH, SMALL_MESSAGE_BYTES)
+            self._stats.setsockopt(zmq.LINGER, 0)
+            self._stats.connect(self.addresses.stats)
         specs = [
             ActorSpec(kind="worker", name=f"worker-{r}", config=self.config, addresses=self.addresses, rank=r)
             for r in range(self.config.num_workers)
@@ -228,10 +254,13 @@ class Supervisor:
                 await self._on_ready()
             elif isinstance(msg, ActorFailed):
                 await self._on_failure(msg.name, msg.reason)
+            elif isinstance(msg, Hello) and child.spec.kind == "scheduler" and self._all_ready.is_set():
+                await self._on_ready()  # a replacement scheduler: its ranks are ready, configure it now
             elif not isinstance(msg, (Hello, Heartbeat)):
                 log.warning("unexpected_control_message", sender=name, type=type(msg).__name__)
 
     async def _on_ready(self) -> None:
+        await self._finish_restarts()
         configured = self._configured
         for sched in [c for c in self.children.values() if c.spec.kind == "scheduler"]:
             # each scheduler's workers: the ranks on its plan socket (P/D: two engines)
@@ -248,8 +277,15 @@ class Supervisor:
 
     async def _configure(self, name: str, workers: list[_Child]) -> None:
         """Facts the workers measured (KV blocks, limits, image sizes) -> their scheduler."""
+        # a replacement scheduler numbers its steps apart from its predecessor's: a result of the old
+        # scheduler's last plan that a rank still delivers can never pass for one of the new plans
+        facts = {**self._worker_facts(workers), "step_base": self.num_restarts << 32}
+        await self._send(name, Configure(facts))
+
+    @staticmethod
+    def _worker_facts(workers: list[_Child]) -> dict:
         w0 = workers[0].info
-        info = {
+        return {
             "num_kv_blocks": min(int(w.info["num_kv_blocks"]) for w in workers),
             "max_model_len": int(w0["max_model_len"]),
             "eos_token_ids": list(w0["eos_token_ids"]),
@@ -259,7 +295,6 @@ class Supervisor:
             "compile_s": [float(x) for x in w0.get("compile_s", [])],
             "compile_cache_hits": int(w0.get("compile_cache_hits", 0)),
         }
-        await self._send(name, Configure(info))
 
     async def _watch_loop(self) -> None:
         while True:
@@ -275,25 +310,117 @@ class Supervisor:
     async def _on_failure(self, name: str, reason: str) -> None:
         if self._stopped or self.failure is not None or self._failed.is_set():
             return
+        if any(name in members for _, _, members in self.restarting.values()):
+            return  # being replaced already (a rank group's other ranks die with it)
         child = self.children.get(name)
-        if child is not None and child.spec.kind == "encoder" and self._all_ready.is_set():
-            await self._lose_encoder(name, child, reason)
+        group = self._restart_group(child) if child is not None and self._all_ready.is_set() else None
+        if group is not None and self._may_restart():
+            await self._restart(*group, f"{name}: {reason}")
             return
+        if child is not None and child.spec.kind == "encoder" and self._all_ready.is_set():
+            await self._lose_encoder(name, child, reason)  # a pool member, not the engine
+            return
+        if group is not None:
+            reason += f" (and {self.config.max_restarts} restarts within {self.config.restart_window_s:g} s already)"
         self.failure = (name, reason)
         log.error("actor_failed", failed=name, reason=reason)
-        for other, c in self.children.items():
-            if other != name and c.proc.poll() is None:
-                await self._send(other, ActorFailed(name, reason))
+        await self._tell_all(ActorFailed(name, reason), skip=[name])
         self._failed.set()
 
     async def _lose_encoder(self, name: str, child: _Child, reason: str) -> None:
-        """A pool member, not the engine: the router re-places its work, serving goes on."""
+        """No restart left for it: the router re-places its work, serving goes on without it."""
         log.error("encoder_lost", failed=name, reason=reason)
         del self.children[name]
         if child.proc.poll() is None:  # stopped or hung: it must not come back
             child.proc.kill()
             await asyncio.to_thread(child.proc.wait, 5)
         await self._send("router", ActorFailed(name, reason))
+
+    # ------------------------------------------------------------------ restart
+
+    def _restart_group(self, child: _Child) -> tuple[str, list[str]] | None:
+        """(event name, the actors to replace) when `child`'s failure can heal; None: fail-stop.
+        The main engine's worker ranks go as a group; a P/D prefill engine and the frontend do not heal."""
+        kind, main = child.spec.kind, child.spec.addresses.plan == self.addresses.plan
+        if self.config.max_restarts <= 0:
+            return None
+        if kind == "worker" and main:
+            return "workers", [
+                c.spec.name
+                for c in self.children.values()
+                if c.spec.kind == "worker" and c.spec.addresses.plan == self.addresses.plan
+            ]
+        if (kind == "scheduler" and main) or kind in RESTART_IN_PLACE:
+            return child.spec.name, [child.spec.name]
+        return None
+
+    def _may_restart(self) -> bool:
+        now, window = time.monotonic(), self.config.restart_window_s
+        while self._restarts and now - self._restarts[0] > window:
+            self._restarts.popleft()
+        return len(self._restarts) < self.config.max_restarts
+
+    async def _restart(self, event: str, names: list[str], cause: str) -> None:
+        """Stop `names` for good (a hung process too), tell the survivors, start replacements. The
+        restart ends when every replacement is Ready (`_finish_restarts`)."""
+        t0 = time.monotonic()
+        self._restarts.append(t0)
+        self.num_restarts += 1
+        self.restarting[event] = (t0, cause, names)
+        log.warning("actor.restarting", actor=event, cause=cause, replaced=names, restarts=len(self._restarts))
+        await self._tell_all(ActorRestarting(event, cause), skip=names)
+        old = [self.children[n] for n in names]
+        for c in old:
+            if c.proc.poll() is None:
+                c.proc.kill()
+        await asyncio.gather(*(asyncio.to_thread(c.proc.wait, 10) for c in old), return_exceptions=True)
+        dist_init = self.addresses.dist_init
+        if event == "workers" and self.config.num_workers > 1:  # a fresh rendezvous: the old store died with rank 0
+            dist_init = f"tcp://127.0.0.1:{free_port()}"
+        for c in old:
+            spec = c.spec
+            if event == "workers":  # the scheduler's pool size is fixed: the new ranks must match it
+                blocks = int(self._worker_facts(old)["num_kv_blocks"])
+                spec = msgspec.structs.replace(
+                    spec,
+                    config=msgspec.structs.replace(spec.config, num_kv_blocks=blocks),
+                    addresses=msgspec.structs.replace(spec.addresses, dist_init=dist_init),
+                )
+            if spec.kind == "scheduler":
+                self._configured.discard(spec.name)
+            self.children[spec.name] = _Child(spec, self._spawn(spec))
+
+    async def _finish_restarts(self) -> None:
+        """Restarts whose replacements are all Ready: tell the survivors, count, log."""
+        for event, (t0, cause, names) in list(self.restarting.items()):
+            if not all(self.children[n].ready for n in names):
+                continue
+            del self.restarting[event]
+            seconds = time.monotonic() - t0
+            info = self._worker_facts([self.children[n] for n in names]) if event == "workers" else {}
+            log.warning("actor.restarted", actor=event, cause=cause, seconds=round(seconds, 2))
+            self._publish(RestartStats(actor=event, seconds=seconds))
+            await self._tell_all(ActorRestarted(event, seconds, info), skip=names)
+
+    async def _tell_all(self, msg, skip: list[str]) -> None:
+        """Every live actor but `skip`, and every in-process listener."""
+        for other, c in self.children.items():
+            if other not in skip and c.proc.poll() is None:
+                await self._send(other, msg)
+        for listener in self.listeners:
+            try:
+                await listener(msg)
+            except Exception:  # noqa: BLE001 - a listener's bug must not stop the supervisor
+                log.exception("listener_failed", message=type(msg).__name__)
+
+    def _publish(self, event) -> None:
+        """A stats event for the metrics actor (dropped when it cannot take it)."""
+        if self._stats is None:
+            return
+        try:
+            self._stats.send_multipart(Codec.encode(event), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
 
     async def _send(self, name: str, msg) -> None:
         try:
@@ -319,6 +446,8 @@ class Supervisor:
         await self._reap(live, 3.0, signal.SIGKILL)
         for t in self._tasks:
             t.cancel()
+        if getattr(self, "_stats", None) is not None:
+            self._stats.close(linger=0)
         if hasattr(self, "ctx"):
             self.ctx.destroy(linger=0)
         shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -113,6 +113,11 @@ class BlockManager:
                 self.cached.setdefault(h, bid)  # a duplicate computed concurrently stays private
         req.num_cached_blocks = max(req.num_cached_blocks, full)
 
+    def drop_cached(self) -> None:
+        """Forget every cached prefix (the workers that held its KV are gone)."""
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+
     def free(self, req: Request) -> None:
         """Return the request's blocks; tail blocks first in LRU order (evicted first)."""
         for bid in reversed(req.block_ids):

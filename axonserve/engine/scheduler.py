@@ -94,7 +94,7 @@ class Scheduler:
         # per plan sent and not yet answered, oldest first: its requests, and which of them sample
         # how many tokens
         self._in_flight: collections.deque[tuple[list[Request], list[tuple[Request, int]]]] = collections.deque()
-        self._step_id = 0
+        self._step_id = self._step_base = 0
         self.num_forwards = 0  # model forwards of the plans made (multi-step plans run several)
         self._seq = itertools.count()
         self._order: dict[str, tuple] = {}
@@ -154,8 +154,11 @@ class Scheduler:
                 f"prompt has {n} tokens, more than the largest context-length bucket "
                 f"({cfg.buckets.max_context_len}) with chunked prefill disabled"
             )
-        if self.blocks.blocks_needed(n + 1) > cfg.num_kv_blocks:
-            return f"prompt needs {self.blocks.blocks_needed(n + 1)} KV blocks but the pool holds {cfg.num_kv_blocks}"
+        if req.num_output_tokens and req.num_tokens >= req.max_total_tokens:
+            return "a resumed request has nothing left to generate"
+        if self.blocks.blocks_needed(req.num_tokens + 1) > cfg.num_kv_blocks:
+            need = self.blocks.blocks_needed(req.num_tokens + 1)
+            return f"prompt needs {need} KV blocks but the pool holds {cfg.num_kv_blocks}"
         return None
 
     def _check_pooling(self, req: Request) -> str | None:
@@ -607,6 +610,25 @@ class Scheduler:
         req.spec_token_ids = drafts[:room]
         req.spec_parents = None if parents is None else parents[:room]
 
+    def step_base(self, base: int) -> None:
+        """Number plans from `base` (a replacement scheduler: apart from its predecessor's)."""
+        self._step_id = self._step_base = base
+
+    def workers_lost(self) -> list[Request]:
+        """The worker ranks were replaced: their KV and request state are gone. Every running
+        request goes back to the queue (preempted: it is recomputed from its tokens, outputs kept),
+        plans in flight are forgotten (their tokens never arrive) and the prefix cache is emptied
+        (its blocks' KV is gone). Returns the requests that were running."""
+        running = list(self.running)
+        for req in running:
+            self._preempt(req)
+        for req in self.requests.values():
+            req.num_pending, req.num_spec_scheduled, req.sent_to_worker = 0, 0, False
+        self._in_flight.clear()
+        self._to_drop.clear()
+        self.blocks.drop_cached()
+        return running
+
     # ------------------------------------------------------------------ internals
 
     def _pick_victim(self) -> Request:
@@ -660,7 +682,7 @@ class Scheduler:
             prefix_cache_queries=self.prefix_queries,
             prefix_cache_hits=self.prefix_hits,
             num_preemptions=self.num_preemptions,
-            num_steps=self._step_id,
+            num_steps=self._step_id - self._step_base,
             num_forwards=self.num_forwards,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,

@@ -34,6 +34,7 @@ from axonserve.multimodal.stage import EncoderStage
 from axonserve.protocol import ClientToEngine, Codec, DecodeError, TensorRef
 from axonserve.protocol.messages import (
     AbortRequest,
+    ActorFailed,
     AddRequest,
     BucketInfo,
     CompileStats,
@@ -45,6 +46,7 @@ from axonserve.protocol.messages import (
     Outputs,
     ParamError,
     RequestDelta,
+    RestartStats,
     StartProfile,
     StepResult,
     StopProfile,
@@ -53,6 +55,21 @@ from axonserve.protocol.messages import (
 from axonserve.speculative.stage import ProposalStage
 
 _client_codec = Codec(ClientToEngine)
+
+
+class WorkersLost(Exception):
+    """The rank group was lost while a step (or a stage's request) waited on it."""
+
+
+async def _wait_either(a: asyncio.Event, b: asyncio.Event) -> None:
+    tasks = [asyncio.create_task(a.wait()), asyncio.create_task(b.wait())]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
 _result_codec = Codec(WorkerReply)
 
 
@@ -74,6 +91,7 @@ class SchedulerActor(Actor):
         info = await asyncio.wait_for(self.configured, cfg.ready_timeout_s)
         await self._wait_subscribers(cfg.num_workers)
         self.sched, max_len = self._make_scheduler(info)
+        self.sched.step_base(int(info.get("step_base", 0)))
         self.engine_info = EngineInfo(
             model=cfg.model,
             served_model_name=cfg.served_model_name or cfg.model,
@@ -88,6 +106,10 @@ class SchedulerActor(Actor):
             limits=cfg.limits,
         )
         self.dead = asyncio.Event()
+        # the worker ranks died or hung: the supervisor replaces them (`on_peer_restarting`);
+        # `interrupt` ends any wait on them (set on death too)
+        self.lost, self.restored, self.interrupt = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self._restored_info: dict = {}
         self._work = asyncio.Event()
         self.clients: set[bytes] = set()
         self._owner: dict[str, bytes] = {}  # request id -> client identity
@@ -190,9 +212,13 @@ class SchedulerActor(Actor):
         inflight: deque[Step] = deque()
         depth = 2 if self.sched.cfg.async_scheduling else 1
         while self.dead_reason is None:
-            if self.profiler.pending and not inflight:
+            if self.lost.is_set():  # the ranks are being replaced: their steps never answer
+                inflight.clear()
                 done = await self._emit_step(done)
-                await self.profiler.run_next()
+                await self._recover_workers()
+            elif self.profiler.pending and not inflight:
+                done = await self._emit_step(done)
+                await self._guarded(self.profiler.run_next())
             elif len(inflight) < depth and not self.profiler.pending and (step := await self._send_plan()):
                 inflight.append(step)
             elif not inflight:
@@ -200,7 +226,9 @@ class SchedulerActor(Actor):
                 await self._idle()
             else:
                 done = await self._emit_step(done)
-                step = await self._finish(inflight.popleft())
+                step = await self._guarded(self._finish(inflight.popleft()))
+                if step is WorkersLost:
+                    continue
                 if step is None:
                     return
                 done = step
@@ -208,6 +236,33 @@ class SchedulerActor(Actor):
                     done = await self._emit_step(done)
                     if not await self.proposals.propose(step.result):
                         return
+
+    async def _guarded(self, coro: Any) -> Any:
+        """`coro`'s result, or WorkersLost when the ranks were lost while it waited on them."""
+        try:
+            return await coro
+        except WorkersLost:
+            return WorkersLost
+
+    async def _recover_workers(self) -> None:
+        """The supervisor is replacing the rank group: requeue every running request (its KV is
+        gone: recomputed, its outputs kept), wait for the new ranks, then go on. Clients see a pause."""
+        t0 = time.monotonic()
+        resumed = self.sched.workers_lost()
+        self.log.warning("workers.lost", running=len(resumed), waiting=len(self.sched.waiting))
+        await _wait_either(self.restored, self.dead)
+        if self.dead.is_set():
+            return
+        await self._wait_subscribers(self.config.num_workers)
+        while await self.pull.poll(0):  # a dying rank 0's last results: stale
+            await self.pull.recv_multipart()
+        self.lost.clear()
+        self.restored.clear()
+        if not self.dead.is_set():
+            self.interrupt.clear()
+        self.publish(RestartStats(actor="", seconds=0.0, requests_resumed=len(resumed)))
+        self.log.info("workers.resumed", requests=len(resumed), seconds=round(time.monotonic() - t0, 2))
+        self._work.set()
 
     async def _send_plan(self) -> Step | None:
         """Schedule the next step and send its plan to every rank (None: nothing to run)."""
@@ -312,6 +367,8 @@ class SchedulerActor(Actor):
         if self.dead_reason is not None:
             await self.reply(ident, reject(f"engine is dead: {self.dead_reason}", 503))
             return
+        if msg.output_token_ids and msg.request_id in self.sched.requests:
+            return  # a resume of a request this scheduler already runs (its first submission got through)
         overload = self._overloaded(len(msg.prompt_token_ids))
         if overload is not None:
             self.num_rejected_overload += 1
@@ -319,7 +376,10 @@ class SchedulerActor(Actor):
             return
         try:
             msg.params.check_limits(self.config.limits)
-            msg.params.validate()
+            if msg.params.structured_outputs is not None:  # compiles a grammar: not on the step loop's thread
+                await asyncio.to_thread(msg.params.validate)
+            else:
+                msg.params.validate()
         except ParamError as e:
             await self.reply(ident, reject(str(e)))
             return
@@ -333,6 +393,8 @@ class SchedulerActor(Actor):
             pooling=msg.pooling,
         )
         req.kv_export = msg.kv_export and self.config.role == "prefill"
+        if msg.output_token_ids and msg.pooling is None:  # resumed after a scheduler restart
+            req.token_ids += msg.output_token_ids
         why = self.sched.check(req)
         if why is None and self.prefill is not None:
             why = self.prefill.dead or self.prefill.check(req)
@@ -454,10 +516,13 @@ class SchedulerActor(Actor):
         self._pooled, self.kv_rows = {}, {}
         deadline = time.monotonic() + timeout
         while True:
-            frames = await recv_before(self.pull, deadline, self.dead)
+            frames = await recv_before(self.pull, deadline, self.interrupt)
             if frames is None:
-                if not self.dead.is_set():
-                    await self.fail(f"worker rank 0 gave no reply for {what}")
+                if self.lost.is_set() and not self.dead.is_set():
+                    raise WorkersLost(what)
+                if not self.dead.is_set():  # hung ranks: the supervisor replaces them (or fails the engine)
+                    await self.workers_hung(f"worker rank 0 gave no reply for {what} in {timeout:g} s")
+                    raise WorkersLost(what)
                 return None
             try:
                 reply, _ = _result_codec.decode(frames)
@@ -471,6 +536,30 @@ class SchedulerActor(Actor):
             self.result_frames = frames
             return reply
 
+    async def workers_hung(self, reason: str) -> None:
+        """A step outlived --step-timeout: report the ranks (not this actor) failed; the supervisor
+        restarts the group (`on_peer_restarting` follows) or fails the engine."""
+        self.lost.set()
+        self.interrupt.set()
+        await self.send_control(ActorFailed("worker-0", reason))
+
+    async def on_peer_restarting(self, name: str, reason: str) -> None:
+        if name == "workers":
+            self.lost.set()
+            self.interrupt.set()
+            self._work.set()
+        elif name == "drafter" and self.proposals is not None:
+            self.proposals.drafter_restarting()
+
+    async def on_peer_restarted(self, name: str, seconds: float, info: dict) -> None:
+        if name == "workers":
+            self._restored_info = info
+            self.restored.set()
+        elif name == "drafter" and self.proposals is not None:
+            self.proposals.drafter_restarted()
+        elif name == "router" and self.encoders is not None:
+            await self.encoders.resubmit()
+
     async def on_peer_failed(self, name: str, reason: str) -> None:
         if name != self.name:
             await self.fail(f"{name} failed: {reason}", report=False)
@@ -483,6 +572,7 @@ class SchedulerActor(Actor):
         if not hasattr(self, "_work"):  # still starting (a worker failed to load): nothing to fail
             return
         self.dead.set()
+        self.interrupt.set()
         self._work.set()
         failed = self.sched.abort_all("error")
         for stage in (self.encoders, self.prefill):

@@ -49,17 +49,18 @@ class Core(Protocol):
         failed meanwhile (timeout or death)."""
 
 
-async def recv_before(sock: Any, deadline: float, dead: asyncio.Event) -> list | None:
-    """The next message's frames from `sock`; None when the monotonic `deadline` passes or the
-    engine dies first (a peer's reply the core or a stage waits for)."""
+async def recv_before(sock: Any, deadline: float, *stop_on: asyncio.Event) -> list | None:
+    """The next message's frames from `sock`; None when the monotonic `deadline` passes or one of
+    `stop_on` is set first (the engine died, the peer is being restarted)."""
     recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
-    stop = asyncio.ensure_future(dead.wait())
+    stops = [asyncio.ensure_future(e.wait()) for e in stop_on]
     try:
         done, _ = await asyncio.wait(
-            {recv, stop}, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
+            {recv, *stops}, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
         )
     finally:
-        stop.cancel()
+        for stop in stops:
+            stop.cancel()
     if recv not in done:
         recv.cancel()
         return None

@@ -108,12 +108,16 @@ class StreamOutput:
 
 @dataclass(slots=True)
 class _Choice:
-    """Client-side state of one engine request (one choice)."""
+    """Client-side state of one engine request (one choice): what resuming it needs (its prompt,
+    parameters and every token the engine sent) besides its detokenizer."""
 
     engine_id: str
     index: int
     detok: IncrementalDetokenizer
+    params: SamplingParams | None = None
     finished: bool = False
+    sent: bool = False  # its AddRequest left (a resume sends it again, with its tokens)
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -121,6 +125,8 @@ class _Request:
     queue: asyncio.Queue[RequestDelta] = field(default_factory=asyncio.Queue)
     choices: dict[str, _Choice] = field(default_factory=dict)
     vectors: dict[str, Any] = field(default_factory=dict)  # embed: engine id -> pooled vector
+    prompt_ids: list[int] = field(default_factory=list)
+    images: Any = None  # (MultiModalInput, frames) of a vision-language prompt
 
 
 class AsyncEngineClient:
@@ -150,6 +156,13 @@ class AsyncEngineClient:
         self._stats_waiters: list[asyncio.Future[EngineStats]] = []
         self._profile_waiters: list[asyncio.Future[ProfileStatus]] = []  # answered in order
         self._ping_sent: float | None = None
+        # the scheduler is being replaced (`suspend`): new requests wait, in-flight ones are
+        # resubmitted once it is back (`resume`); `_unresponsive`: failed by the watchdog, not dead
+        self._running = asyncio.Event()
+        self._running.set()
+        self.suspended: str | None = None
+        self._unresponsive = False
+        self.num_resumed = 0
         self._tasks = [
             asyncio.create_task(self._reader(), name="engine-client-reader"),
             asyncio.create_task(self._watchdog(), name="engine-client-watchdog"),
@@ -414,6 +427,41 @@ class AsyncEngineClient:
         if ids and not self.dead:
             await self._send(AbortRequest(ids))
 
+    # ------------------------------------------------------------------ scheduler restarts
+
+    def suspend(self, reason: str) -> None:
+        """The scheduler died and is being replaced: streams wait (new requests are held, the
+        watchdog does not fail them) until `resume`."""
+        self.suspended = reason
+        self._running.clear()
+        log.warning("engine_restarting", reason=reason, in_flight=len(self._requests))
+
+    async def resume(self) -> int:
+        """The new scheduler is up: resubmit every unfinished choice that had been sent, as a
+        continuation (its prompt plus the tokens already received, which count as outputs: the
+        same max_tokens, min_tokens, stop rules and seeded positions), so each stream goes on
+        without a duplicated or missing token. Returns how many were resumed."""
+        if self.suspended is None:
+            return 0
+        self.suspended = None
+        now, resumed = time.time(), 0
+        for req in list(self._requests.values()):
+            for cid, choice in req.choices.items():
+                if choice.finished or not choice.sent or cid not in self._routes or choice.params is None:
+                    continue
+                mm, frames = req.images if req.images is not None else (None, [])
+                params = msgspec.structs.replace(choice.params, prompt_logprobs=None)  # (sent already)
+                msg = AddRequest(
+                    cid, req.prompt_ids, params, arrival_time=now, mm=mm, output_token_ids=choice.token_ids
+                )
+                await self._send(msg, frames)
+                resumed += 1
+        self.num_resumed += resumed
+        self._last_rx = time.monotonic()
+        self._running.set()
+        log.info("engine_resumed", requests=resumed)
+        return resumed
+
     def fail_all(self, reason: str, *, dead: bool = True) -> None:
         """End every in-flight generate() with finish_reason "error"; mark the engine dead."""
         if dead and not self.dead:
@@ -440,7 +488,8 @@ class AsyncEngineClient:
                 include_stop_str_in_output=p.include_stop_str_in_output,
                 min_tokens=p.min_tokens,
             )
-            req.choices[cid] = _Choice(cid, i, detok)
+            req.choices[cid] = _Choice(cid, i, detok, p)
+        req.prompt_ids = prompt_ids
         if self.dead:  # died between generate() and the first iteration
             raise EngineDeadError(self.dead_reason or "engine is dead")
         self._refuse_in_flight(request_id)  # one generate() of two may start first
@@ -449,9 +498,12 @@ class AsyncEngineClient:
         now = time.time()
         open_ids = set(req.choices)
         mm, frames = images.wire() if images is not None else (None, [])
+        req.images = (mm, frames) if images is not None else None
         try:
-            for (cid, _), p in zip(req.choices.items(), subs):
+            await self._running.wait()  # a scheduler being replaced takes it once it is back
+            for (cid, choice), p in zip(req.choices.items(), subs):
                 await self._send(AddRequest(cid, prompt_ids, p, arrival_time=now, mm=mm), frames)
+                choice.sent = True
             while open_ids:
                 delta = req.queue.get_nowait() if not req.queue.empty() else await req.queue.get()
                 choice = req.choices.get(delta.request_id)
@@ -473,6 +525,7 @@ class AsyncEngineClient:
                 log.debug("request_aborted", request_id=request_id, engine_ids=left)
 
     def _process(self, request_id: str, choice: _Choice, delta: RequestDelta, num_prompt: int) -> StreamOutput:
+        choice.token_ids += delta.new_token_ids
         engine_stop = delta.finish_reason == "stop"
         d = choice.detok.step(
             delta.new_token_ids,
@@ -494,7 +547,7 @@ class AsyncEngineClient:
             logprobs=logprobs,
             finish_reason=finish,
             stop_reason=stop_reason,
-            num_prompt_tokens=delta.num_prompt_tokens or num_prompt,
+            num_prompt_tokens=num_prompt,  # (a resumed request's engine prompt holds its earlier outputs)
             num_output_tokens=choice.detok.num_output_tokens,
             num_cached_tokens=delta.num_cached_tokens,
             error=delta.error,
@@ -535,6 +588,9 @@ class AsyncEngineClient:
                             del self._routes[delta.request_id]
             elif isinstance(msg, EngineInfo):
                 self.info = msg
+                if self._unresponsive:  # it answers again: serve again
+                    self.dead, self.dead_reason, self._unresponsive = False, None, False
+                    log.info("engine_recovered")
             elif isinstance(msg, EngineStats):
                 for fut in self._stats_waiters:
                     if not fut.done():
@@ -552,7 +608,11 @@ class AsyncEngineClient:
         tick = min(self._ping_after, self._ping_timeout) / 3
         while True:
             await asyncio.sleep(tick)
-            if self.dead or not self._routes:
+            if (
+                self.suspended is not None
+                or (self.dead and not self._unresponsive)
+                or not (self._routes or self._unresponsive)
+            ):
                 self._ping_sent = None
                 continue
             now = time.monotonic()
@@ -561,7 +621,10 @@ class AsyncEngineClient:
                     self._ping_sent = now
                     await self._send(GetEngineInfo())
             elif now - self._ping_sent > self._ping_timeout:
-                self.fail_all(f"engine unresponsive: no reply to a ping within {self._ping_timeout:.0f}s")
+                self._ping_sent = None  # and ping again: an engine that answers later is alive again
+                if not self._unresponsive:
+                    self.fail_all(f"engine unresponsive: no reply to a ping within {self._ping_timeout:.0f}s")
+                    self._unresponsive = True
 
 
 def _engine_ids(request_id: str, n: int) -> list[str]:

@@ -83,6 +83,7 @@ class LLM:
         self._thread = threading.Thread(target=self._loop.run_forever, name="axonserve-llm", daemon=True)
         self._thread.start()
         self._sup = Supervisor(config, frontend=False)
+        self._sup.listeners.append(self._on_engine_event)
         self._closed = False
         try:
             self._call(self._sup.start())
@@ -92,6 +93,18 @@ class LLM:
             self.shutdown()
             raise
         self.tokenizer = self._client.tokenizer
+
+    async def _on_engine_event(self, msg: Any) -> None:
+        """A replaced scheduler: generations wait, then resume on the new one (supervisor.py)."""
+        from axonserve.protocol.messages import ActorRestarted, ActorRestarting
+
+        client = getattr(self, "_client", None)
+        if client is None or getattr(msg, "name", "") != "scheduler":
+            return
+        if isinstance(msg, ActorRestarting):
+            client.suspend(f"scheduler restarting: {msg.reason}")
+        elif isinstance(msg, ActorRestarted):
+            await client.resume()
 
     def _call(self, coro: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)

@@ -38,7 +38,6 @@ def load_vision_encoder(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
 
 class EncoderActor(Actor):
     kind = "encoder"
-    beat_in_thread = True  # a long batch of images is not a hang
 
     async def setup(self) -> dict:
         cfg = self.config
@@ -49,6 +48,10 @@ class EncoderActor(Actor):
         self.sock = self.socket(zmq.DEALER, self.addresses.router, identity=self.name.encode())
         await self.sock.send_multipart(Codec.encode(Hello(self.name, os.getpid())))
         return {"pid": os.getpid(), "threads": torch.get_num_threads()}
+
+    async def on_peer_restarted(self, name: str, seconds: float, info: dict) -> None:
+        if name == "router":  # the new router learns of this encoder from its Hello
+            await self.sock.send_multipart(Codec.encode(Hello(self.name, os.getpid())))
 
     async def run(self) -> None:
         async for job, frames in self.messages(self.sock, _codec, "encode job"):

@@ -84,6 +84,7 @@ class EncoderRouter(Actor):
     async def setup(self) -> dict:
         self.sock = self.socket(zmq.ROUTER, self.addresses.router, bind=True)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted encoder (same identity) takes over
         self.encoders: dict[bytes, int] = {}  # live encoder identity -> jobs in flight
         self.dead: set[bytes] = set()
         self.last_used: dict[bytes, int] = {}
@@ -243,11 +244,19 @@ class EncoderRouter(Actor):
         await self._job_done(job, features)
 
     async def on_peer_failed(self, name: str, reason: str) -> None:
-        """An encoder died: its jobs go to the others (or fail when none is left)."""
+        """An encoder died for good: its jobs go to the others (or fail when none is left)."""
+        await self._lose(name, reason, for_good=True)
+
+    async def on_peer_restarting(self, name: str, reason: str) -> None:
+        """An encoder is being replaced: its jobs go to the others, or wait for it (its Hello)."""
+        await self._lose(name, reason, for_good=False)
+
+    async def _lose(self, name: str, reason: str, for_good: bool) -> None:
         ident = name.encode()
         if ident not in self.expected:
             return
-        self.dead.add(ident)
+        if for_good:
+            self.dead.add(ident)
         self.encoders.pop(ident, None)
         orphans = [j for j in self.jobs.values() if j.encoder == ident]
         self.log.warning("encoder_lost", encoder=name, reason=reason, live=len(self.encoders), jobs=len(orphans))

@@ -35,11 +35,21 @@ class EncoderStage:
         """Send the request's pixels to the router; it waits here until its features come."""
         assert req.mm is not None and req.mm.pixel_values is not None
         self.encoding[req.request_id] = req
-        pixels = req.mm_frames.pop("pixel_values")
+        await self._send(req)
+
+    async def _send(self, req: Request) -> None:
+        """The pixels stay with the request until its features come: a restarted router gets them again."""
+        assert req.mm is not None and req.mm.pixel_values is not None
         ref = TensorRef(1, req.mm.pixel_values.dtype, req.mm.pixel_values.shape)
         await self.sock.send_multipart(
-            Codec.encode(EncodeImages(req.request_id, req.mm.hashes, ref), [pixels]), copy=False
+            Codec.encode(EncodeImages(req.request_id, req.mm.hashes, ref), [req.mm_frames["pixel_values"]]),
+            copy=False,
         )
+
+    async def resubmit(self) -> None:
+        """The router was replaced: the jobs it held are gone; send every waiting request again."""
+        for req in list(self.encoding.values()):
+            await self._send(req)
 
     def abort(self, request_ids: list[str]) -> list[Request]:
         return [r for rid in request_ids if (r := self.encoding.pop(rid, None)) is not None]

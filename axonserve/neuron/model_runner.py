@@ -70,7 +70,7 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int
     params: SamplingParams
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # seeded: speculative verification's draws (sampling hashes (seed, position))
     grammar: Any = None  # structured output: GrammarState, made at first sampling (rank 0)
     pooling: PoolingParams | None = None  # embed task: pooled once its whole prompt ran
     images: RequestImages | None = None  # multimodal: placeholder positions and their features
@@ -305,6 +305,13 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}")
         result.forward_s = time.perf_counter() - t0 - result.sample_s
         return result
+
+    def drop_all(self) -> None:
+        """Forget every request (their scheduler was replaced)."""
+        if self.eagle is not None:
+            for rid in self.requests:
+                self.eagle.drop(rid)
+        self.requests.clear()
 
     def _apply_diff(self, plan: StepPlan) -> list[RequestState]:
         for rid in plan.finished_request_ids:

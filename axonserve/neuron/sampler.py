@@ -4,9 +4,11 @@ Order (vLLM semantics): structured-output grammar mask (applied by the runner, s
 structured_output/worker.py) -> raw logprobs -> allowed_token_ids / logit_bias -> penalties ->
 min_tokens mask -> greedy argmax, or
 temperature -> min_p -> top_k/top_p -> sample. A draw is the inverse CDF at one uniform
-number per row taken from the request's own generator (or the sampler's for unseeded ones), so a
-seeded request gets the same tokens whatever else shares the batch. The common case - greedy or
-plain temperature rows, no penalties - runs in one native call on the logits as they are
+number per row. A seeded request's is a hash of (seed, position of the token drawn)
+(neuron/counter_rng.py, as on the XLA device), so its tokens are the same whatever shares the
+batch, after a preemption (re-sent as new) and after a worker restart; unseeded rows draw from the
+sampler's generator. Speculative verification still draws from per-request generators. The common
+case - greedy or plain temperature rows, no penalties - runs in one native call on the logits as they are
 (`sample_rows`); the exponential race this replaced drew a random number per vocabulary entry,
 two orders of magnitude slower at 32 rows (docs/benchmarks.md#fig-neuron-sampler).
 """
@@ -17,6 +19,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from axonserve.neuron.counter_rng import uniforms64
 from axonserve.neuron.ops import native
 from axonserve.protocol.messages import SamplingParams, TokenLogprobs
 from axonserve.speculative.tree import tree_children, tree_depths
@@ -26,7 +29,7 @@ class SamplingState(Protocol):
     params: SamplingParams
     token_ids: list[int]  # prompt + outputs so far
     num_prompt_tokens: int
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # seeded requests: speculative verification's draws only
 
 
 def _padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,21 +177,25 @@ class Sampler:
                         logits[i] = row
 
     def _random(self, logits: torch.Tensor, reqs: list[SamplingState]) -> torch.Tensor:
-        return self._draw(self._probs(logits, reqs), reqs)
+        return self._draw(self._probs(logits, reqs), self._uniforms(reqs))
 
     def _uniforms(self, reqs: Sequence[SamplingState]) -> torch.Tensor:
-        """float64 [rows] in [0, 1): one per row, a seeded request's from its own generator."""
+        """float64 [rows] strictly inside (0, 1), one per row. A seeded row's depends on (seed,
+        position) only, the position being len(token_ids): the index of the token being drawn,
+        which a request re-sent after a preemption (prompt + outputs so far) keeps."""
         u = torch.rand(len(reqs), dtype=torch.float64, generator=self.generator)
-        for i, r in enumerate(reqs):
-            if r.generator is not None:
-                u[i] = torch.rand((), dtype=torch.float64, generator=r.generator)
+        seeded = [i for i, r in enumerate(reqs) if r.params.seed is not None]
+        if seeded:
+            u[seeded] = uniforms64([reqs[i].params.seed for i in seeded], [len(reqs[i].token_ids) for i in seeded])
         return u
 
-    def _draw(self, probs: torch.Tensor, reqs: Sequence[SamplingState]) -> torch.Tensor:
-        """One draw per row from `probs` (unnormalised is fine): the first index whose float64
-        running sum passes u x the row's total, so a zero-probability token is never drawn."""
+    @staticmethod
+    def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """One draw per row from `probs` (unnormalised is fine) at its uniform number `u` (float64
+        [rows]): the first index whose float64 running sum passes u x the row's total, so a
+        zero-probability token is never drawn."""
         cum = probs.double().cumsum(dim=-1)
-        target = (self._uniforms(reqs) * cum[:, -1])[:, None]
+        target = (u * cum[:, -1])[:, None]
         ids = torch.searchsorted(cum, target, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
         # rounding can leave the target on the last entries' plateau: take the last nonzero token
         bad = probs.gather(1, ids[:, None])[:, 0] <= 0
@@ -268,7 +275,9 @@ class Sampler:
         self, p: torch.Tensor, d: list[int], children: list[int], r: SamplingState, toks: list[int]
     ) -> int:
         """One node of random verification: the child accepted (its token appended), or -2 after
-        appending the token drawn from what the rejected children left of p."""
+        appending the token drawn from what the rejected children left of p. Its draws come from
+        the request's generator (seeded) or the sampler's, not the (seed, position) hash: a node
+        may need several numbers, and the tokens a step accepts depend on the drafts anyway."""
         gen = r.generator if r.generator is not None else self.generator
         left = p
         for c in children:
@@ -278,7 +287,7 @@ class Sampler:
                 return c
             left = left.clone() if left is p else left
             left[x] = 0.0
-        toks.append(int(self._draw(left[None], [r])[0]))
+        toks.append(int(self._draw(left[None], torch.rand(1, dtype=torch.float64, generator=gen))[0]))
         return -2
 
     def _logprobs(

@@ -28,7 +28,6 @@ _plan_codec = Codec(StepPlan | ProfileCommand)
 
 class WorkerActor(Actor):
     kind = "worker"
-    beat_in_thread = True  # the forward pass blocks the loop; a long prefill is not a hang
 
     async def setup(self) -> dict:
         self.rank = self.spec.rank
@@ -139,6 +138,11 @@ class WorkerActor(Actor):
                 await self.push.send_multipart(Codec.encode(result, self.runner.result_tensors), copy=False)
             if self.snap_sock is not None:
                 self._send_snapshots()
+
+    async def on_peer_restarting(self, name: str, reason: str) -> None:
+        """A replacement scheduler knows none of the requests this rank holds: drop them all."""
+        if name == "scheduler" and getattr(self, "runner", None) is not None:
+            self.runner.drop_all()
 
     async def teardown(self) -> None:
         """Write a running profile's trace; tell the sink how many records were dropped (a

@@ -211,6 +211,9 @@ class AddRequest(_Msg, tag=1):
     pooling: PoolingParams | None = None  # set: an embed request (params are then unused)
     mm: MultiModalInput | None = None  # images (vision-language models)
     kv_export: bool = False  # P/D: send the prompt's KV back with the first token (delta.kv)
+    # a request resumed after a scheduler restart (frontends/client.py): the tokens it had already
+    # generated, which count as its outputs (max_tokens, min_tokens, penalties, seeded positions)
+    output_token_ids: list[int] = []
 
 
 class AbortRequest(_Msg, tag=2):
@@ -460,6 +463,32 @@ class Configure(_Msg, tag=35):
     info: dict[str, int | float | str | list[int | float]] = {}
 
 
+class ActorRestarting(_Msg, tag=36):
+    """Supervisor -> survivors: `name` (an actor, or "workers": a whole rank group) died or hung and
+    is being replaced; work that depends on it pauses instead of failing."""
+
+    name: str
+    reason: str
+
+
+class ActorRestarted(_Msg, tag=37):
+    """Supervisor -> survivors: `name`'s replacement is ready (after `seconds`); `info`: what its
+    Ready said (for "workers": the facts their scheduler was configured with)."""
+
+    name: str
+    seconds: float
+    info: dict[str, int | float | str | list[int | float]] = {}
+
+
+class RestartStats(_Msg, tag=38):
+    """Stats bus: an actor was restarted (the supervisor has no stats socket: the scheduler sends it),
+    and how many requests its restart resumed."""
+
+    actor: str
+    seconds: float
+    requests_resumed: int = 0
+
+
 # --------------------------------------------------------------------------- stats bus
 
 
@@ -640,10 +669,10 @@ class BucketInfo(_Msg, tag=47):
     decode_len: list[int] = []
 
 
-StatsEvent = Union[StepStats, RequestStats, ActorAlive, EncoderStats, CompileStats, BucketInfo]
+StatsEvent = Union[StepStats, RequestStats, ActorAlive, EncoderStats, CompileStats, BucketInfo, RestartStats]
 
 ClientToEngine = Union[AddRequest, AbortRequest, GetEngineInfo, GetStats, StartProfile, StopProfile]
 EngineToClient = Union[Outputs, EngineInfo, EngineDead, EngineStats, ProfileStatus]
 WorkerMsg = Union[StepPlan, Shutdown, ProfileCommand]
 WorkerReply = Union[StepResult, ProfileAck]
-Control = Union[Hello, Ready, Heartbeat, Shutdown, ActorFailed, Configure]
+Control = Union[Hello, Ready, Heartbeat, Shutdown, ActorFailed, Configure, ActorRestarting, ActorRestarted]

@@ -35,7 +35,6 @@ _codec = Codec(DraftRequest)
 
 class DrafterActor(Actor):
     kind = "drafter"
-    beat_in_thread = True  # a long proposal must not read as a hang
 
     async def setup(self) -> dict[str, Any]:
         torch.set_num_threads(self.config.threads or len(os.sched_getaffinity(0)))

@@ -9,6 +9,7 @@ it already computed).
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import zmq
@@ -30,6 +31,7 @@ class ProposalStage:
         self.sock = actor.socket(zmq.DEALER, address) if spec.uses_drafter else None
         self.dropped = actor.dropped
         self.drafted: set[str] = set()  # requests the drafter holds state for
+        self.restarting = asyncio.Event()  # the drafter is being replaced (supervisor)
 
     async def propose(self, result: StepResult) -> bool:
         """Drafts for the running requests; False: the drafter failed (the engine is failing)."""
@@ -40,6 +42,8 @@ class ProposalStage:
         want = spec.candidates(self.core.sched.running)
         if self.method == "ngram":
             spec.ngram(want)
+            return True
+        if self.restarting.is_set():  # the drafter is being replaced: this step goes without drafts
             return True
         msg = self._request(result.step_id, want)
         if not msg.request_ids and not msg.finished_request_ids:
@@ -60,6 +64,14 @@ class ProposalStage:
             if req is not None and req.status == Status.RUNNING:
                 self.core.sched.take_drafts(req, drafts)
         return True
+
+    def drafter_restarting(self) -> None:
+        """The drafter died or hung: steps go without drafts until its replacement is ready."""
+        self.restarting.set()
+        self.drafted.clear()  # the new drafter holds no request state
+
+    def drafter_restarted(self) -> None:
+        self.restarting.clear()
 
     def _request(self, step_id: int, want: list) -> DraftRequest:
         msg = DraftRequest(step_id)
@@ -82,8 +94,10 @@ class ProposalStage:
         core = self.core
         deadline = time.monotonic() + core.config.step_timeout_s
         while True:
-            frames = await recv_before(self.sock, deadline, core.dead)
+            frames = await recv_before(self.sock, deadline, core.dead, self.restarting)
             if frames is None:
+                if self.restarting.is_set() and not core.dead.is_set():
+                    return DraftResult(step_id, error="the drafter is being restarted")
                 if not core.dead.is_set():
                     await core.fail(f"the drafter gave no reply for drafts for step {step_id}")
                 return None
@@ -91,6 +105,8 @@ class ProposalStage:
                 reply, _ = _codec.decode(frames)
             except DecodeError as e:
                 self.dropped("the drafter reply", e, awaiting=f"drafts for step {step_id}")
+                continue
+            if reply.step_id < step_id:  # an answer we stopped waiting for
                 continue
             if reply.step_id != step_id:
                 await core.fail(f"drafter reply out of order (step {reply.step_id}, expected {step_id})")

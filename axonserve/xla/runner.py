@@ -176,6 +176,10 @@ class XlaModelRunner(ModelRunner):
             self.seeds[nr.request_id] = nr.params.seed if nr.params.seed is not None else drawn
         return scheduled
 
+    def drop_all(self) -> None:
+        super().drop_all()
+        self.seeds.clear()
+
     def _execute(self, plan: StepPlan) -> StepResult:
         if plan.draft_token_ids or plan.multi_step:
             raise ValueError("speculative and multi-step plans are not supported on the XLA device")

@@ -6,10 +6,10 @@ neuron/sampler.py). A row with temperature 0 takes the argmax in every variant. 
 sampled token's, its rank and the top MAX_LOGPROBS) are computed in every variant, so a request
 asking for them changes nothing compiled; they leave the device only when asked for.
 
-Randomness is counter-based: a row's uniform number is a hash of (seed, position) computed with
-integer tensor ops, so a seeded request draws the same tokens on any device, in any batch, and after
-a restart; unseeded requests get a seed from the runner's generator when they arrive. The hash keeps
-every intermediate below 2**63 (32-bit lanes, 16-bit multiplies): no integer overflow on any backend.
+Randomness is counter-based (neuron/counter_rng.py, shared with the CPU sampler): a row's uniform
+number is a hash of (seed, position) computed with integer tensor ops, so a seeded request draws the
+same tokens on any device, in any batch, and after a preemption or a restart; unseeded requests get
+a seed from the runner's generator when they arrive.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from axonserve.neuron.counter_rng import M32, seed_words, uniforms
 from axonserve.protocol.messages import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)  # padding rows and rows not sampled this step
 MAX_LOGPROBS = 20  # SamplingParams.logprobs' upper bound
 VARIANTS = ("greedy", "random", "filtered")
-_M32 = 0xFFFFFFFF
 
 
 def variant(params: Sequence) -> str:
@@ -34,38 +34,6 @@ def variant(params: Sequence) -> str:
     if all(p.greedy or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0) for p in params):
         return "random"
     return "filtered"
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for x in [0, 2**32) without a product above 2**48."""
-    lo = (x & 0xFFFF) * c
-    hi = (((x >> 16) * c) & 0xFFFF) << 16
-    return (lo + hi) & _M32
-
-
-def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's finaliser: every input bit flips each output bit with probability ~1/2."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = _mul32(x, 0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
-def seed_words(seed: int) -> tuple[int, int]:
-    """A seed (any Python int; SamplingParams allows negative ones) as two 32-bit words, split on the
-    host: XLA shifts negative int64 values differently from the CPU."""
-    s = seed % (1 << 64)
-    return s >> 32, s & _M32
-
-
-def uniforms(seed_hi: torch.Tensor, seed_lo: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """float32 in (0, 1), one per row, a function of (seed, position) only (int64 tensors holding
-    32-bit words: `seed_words`, and positions below 2**32)."""
-    h = _fmix32(position ^ 0x9E3779B9)
-    h = _fmix32(seed_hi ^ h)
-    h = _fmix32(seed_lo ^ h)
-    return ((h >> 8).to(torch.float32) + 0.5) / float(1 << 24)
 
 
 def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -120,5 +88,5 @@ def row_params(params: Sequence, seeds: Sequence[int], positions: Sequence[int],
     ints[0] = vocab
     for i, (p, s, pos) in enumerate(zip(params, seeds, positions)):
         floats[:, i] = (0.0 if p.greedy else p.temperature, p.top_p, p.min_p)
-        ints[:, i] = (p.top_k if 0 < p.top_k < vocab else vocab, *seed_words(s), pos & _M32)
+        ints[:, i] = (p.top_k if 0 < p.top_k < vocab else vocab, *seed_words(s), pos & M32)
     return floats, ints

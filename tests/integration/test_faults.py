@@ -73,7 +73,8 @@ def wait_until(cond, timeout: float, what: str):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("victim", ["worker", "scheduler"])
 def test_dead_actor_fails_requests_and_health(tiny_llama_dir, victim):
-    with serve(tiny_llama_dir, "--num-kv-blocks", "512", "--max-model-len", "2048") as srv:
+    # fail-stop (no restarts): tests/integration/test_self_healing.py has the healing
+    with serve(tiny_llama_dir, "--num-kv-blocks", "512", "--max-model-len", "2048", "--max-restarts", "0") as srv:
         sid = srv.proc.pid
         body = {
             "model": tiny_llama_dir,

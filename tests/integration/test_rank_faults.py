@@ -35,7 +35,7 @@ def worker_pid(sid: int, rank: int) -> int:
     ids=["rank1-dies", "rank1-hangs", "rank0-hangs"],
 )
 def test_rank_fault_mid_generation_fails_requests_and_stops_engine(tiny_llama_dir, sig, rank):
-    args = ("--num-kv-blocks", "512", "--max-model-len", "2048", "--tensor-parallel-size", "2")
+    args = ("--num-kv-blocks", "512", "--max-model-len", "2048", "--tensor-parallel-size", "2", "--max-restarts", "0")
     with serve(tiny_llama_dir, *args) as srv:
         sid = srv.proc.pid
         body = {

@@ -93,3 +93,42 @@ def test_warm_up_leaves_nothing_behind(tiny_llama_dir):
     for rid, prompt, params, at in reqs:
         sched.add(rid, prompt, 8, at_step=at, params=params)
     assert sched.run() == fresh
+
+
+def test_seeded_requests_survive_preemption_and_a_new_runner(tiny_llama_dir):
+    """Preemption re-sends a request as new (its state dropped, then rebuilt from prompt + outputs
+    and recomputed); a restarted worker rebuilds it the same way in a fresh runner. A seeded request's
+    tokens go on as if neither had happened: its draws hash (seed, position), not a generator's count.
+    Temperature only (the native kernel where built) and top-p (the torch path)."""
+    seeded = {
+        "a": ([5, 6, 7], SamplingParams(temperature=1.0, seed=1234)),
+        "b": ([8, 3, 2, 9], SamplingParams(temperature=1.0, top_p=0.9, seed=-5)),
+    }
+    n = 8  # run()'s max_tokens
+    alone = {rid: run(tiny_llama_dir, [(rid, p, params, 0)])[0][rid] for rid, (p, params) in seeded.items()}
+    assert all(len(set(t)) > 2 for t in alone.values()), alone  # sampling, not a fixed point
+
+    # preempted twice each, in a crowd: blocks freed, state dropped on the runner, re-sent as new
+    sched = MiniScheduler(make_runner(tiny_llama_dir, seed=99), chunk=5)
+    sched.add("x", list(range(10, 30)), n, params=SamplingParams(temperature=1.0))
+    for rid, (p, params) in seeded.items():
+        sched.add(rid, p, n, at_step=1, params=params)
+    preempted: set[tuple[str, int]] = set()
+    while sched.pending or sched.running:
+        for r in sched.running:
+            at = (r.rid, len(r.outputs))
+            if r.rid in seeded and at[1] in (2, 5) and at not in preempted and r.computed == len(r.tokens) - 1:
+                sched.free += r.blocks
+                r.blocks, r.computed, r.started = [], 0, False
+                sched.to_finish.append(r.rid)
+                preempted.add(at)
+        sched.step()
+    assert len(preempted) == 4
+    assert {rid: sched.done[rid].outputs for rid in seeded} == alone
+
+    # a worker restart: a fresh runner (another engine seed) gets each request after 3 outputs
+    for rid, (p, params) in seeded.items():
+        fresh = MiniScheduler(make_runner(tiny_llama_dir, seed=7), chunk=5)
+        fresh.add(rid, p + alone[rid][:3], n - 3, params=params)
+        fresh.pending[0][1].prompt = list(p)  # the outputs so far are not prompt (min_tokens, penalties)
+        assert fresh.run()[rid] == alone[rid][3:]

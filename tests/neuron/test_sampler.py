@@ -20,9 +20,10 @@ class S:
     generator: torch.Generator | None = None
 
 
-def st(prompt=(1, 2), out=(), gen_seed=None, **kw) -> S:
+def st(prompt=(1, 2), out=(), **kw) -> S:
+    """A request's state as the runner builds it: a seeded one also has its generator (verification)."""
     p = SamplingParams(**kw)
-    g = torch.Generator().manual_seed(gen_seed) if gen_seed is not None else None
+    g = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
     return S(p, list(prompt) + list(out), len(prompt), g)
 
 
@@ -41,16 +42,75 @@ def test_greedy_fast_path_and_mixed_batch():
 
 def test_seeded_requests_are_reproducible_regardless_of_batch():
     lg = logits(3)
-    a, _ = Sampler([0], seed=1)(lg, [st(temperature=1.0, gen_seed=7), st(temperature=1.0), st(temperature=1.0)])
-    b, _ = Sampler([0], seed=2)(lg[[0]], [st(temperature=1.0, gen_seed=7)])
+    a, _ = Sampler([0], seed=1)(lg, [st(temperature=1.0, seed=7), st(temperature=1.0), st(temperature=1.0)])
+    b, _ = Sampler([0], seed=2)(lg[[0]], [st(temperature=1.0, seed=7)])
     assert a[0] == b[0]
 
-    # the generator advances: a seeded request draws different tokens over steps, the same sequence each run
+    # the position advances: a seeded request draws different tokens over steps, the same sequence each run
     def draws(seed):
-        s, r = Sampler([0]), st(temperature=1.0, gen_seed=seed)
-        return [s(torch.zeros(1, V), [r])[0][0] for _ in range(20)]
+        s, r = Sampler([0]), st(temperature=1.0, seed=seed)
+        for _ in range(20):
+            r.token_ids.append(s(torch.zeros(1, V), [r])[0][0])
+        return r.token_ids[2:]
 
-    assert draws(3) == draws(3) and len(set(draws(3))) > 5
+    assert draws(3) == draws(3) and len(set(draws(3))) > 5 and draws(3) != draws(4)
+
+
+def test_seeded_token_depends_on_seed_and_position_only():
+    """A seeded request's token at position i is a function of (seed, i) and the logits: the same
+    alone or in batches of any size and place, from samplers seeded differently, and after its state
+    is rebuilt from prompt + outputs (a preemption re-sends it as new; so does a restarted worker).
+    Both paths: temperature only (the native kernel where built) and top-p (torch)."""
+    lg = torch.randn(1, V, generator=torch.Generator().manual_seed(9))  # flat: many tokens likely
+    for kw in ({}, {"top_p": 0.95}):
+
+        def run(sampler_seed: int, crowd: int, rebuild_at: tuple[int, ...], kw=kw) -> list[int]:
+            s = Sampler([0], seed=sampler_seed)
+            r = st(prompt=(4, 5, 6), temperature=1.0, seed=1234, **kw)
+            for i in range(16):
+                if i in rebuild_at:
+                    r = st(prompt=(4, 5, 6), out=r.token_ids[3:], temperature=1.0, seed=1234, **kw)
+                others = [st(out=(7,) * j, temperature=1.0, **kw) for j in range((i * crowd) % 5)]
+                at = i % (len(others) + 1)
+                batch = others[:at] + [r] + others[at:]
+                ids, _ = s(lg.repeat(len(batch), 1), batch)
+                r.token_ids.append(ids[at])
+            return r.token_ids[3:]
+
+        alone = run(0, 0, ())
+        assert len(set(alone)) > 5, alone  # the position moves the draw
+        assert run(1, 3, (4, 9)) == alone, kw
+        assert run(2, 1, (1, 2, 3)) == alone, kw
+
+
+def test_counter_uniforms_strictly_inside_and_near_the_xla_ones():
+    """The CPU sampler's uniform numbers lie strictly inside (0, 1), are uniform over seeds and over
+    positions (chi-square on 20 bins), and stay within 2**-23 of the XLA graphs' (24-bit, float32) for
+    the same (seed, position): both devices draw the same seeded tokens up to CDF-boundary ties."""
+    from collections import Counter
+
+    from conftest import chi2, chi2_critical
+
+    from axonserve.neuron.counter_rng import hash32, seed_words, uniforms64
+    from axonserve.xla.sampling import uniforms
+
+    seeds = [0, 1, -1, -7, 2**31 - 1, 2**40 + 5, 2**63 - 1, -(2**63)] + list(range(100, 20100))
+    positions = [0, 1, 2**31, 2**32 - 1, 2**32, 5, 77, 2**40] + list(range(20000))
+    for ss, ps in ((seeds, [3] * len(seeds)), ([42] * len(positions), positions)):
+        u = uniforms64(ss, ps)
+        assert u.dtype == torch.float64 and bool((u > 0).all()) and bool((u < 1).all())
+        words = [seed_words(x) for x in ss]
+        u32 = uniforms(
+            torch.tensor([w[0] for w in words]),
+            torch.tensor([w[1] for w in words]),
+            torch.tensor([p % 2**32 for p in ps]),
+        )
+        assert float((u - u32.double()).abs().max()) <= 2**-23
+        hashed = hash32(*(torch.tensor(c) for c in zip(*words)), torch.tensor([p % 2**32 for p in ps]))
+        assert torch.equal((u * 2**32 - 0.5).round().long(), hashed)  # Python ints hash as tensors do
+        n = len(u)
+        stat, df = chi2(Counter((u * 20).long().tolist()), {b: 1 / 20 for b in range(20)}, n)
+        assert stat < chi2_critical(df), stat
 
 
 def test_sampling_follows_the_distribution_with_top_k_top_p_min_p():
@@ -107,7 +167,7 @@ def test_logprobs_are_raw_log_softmax():
     reqs = [
         st(temperature=0.0, logprobs=3, repetition_penalty=1.5),
         st(temperature=0.0),
-        st(temperature=1.0, gen_seed=1, logprobs=0),
+        st(temperature=1.0, seed=1, logprobs=0),
     ]
     ids, lps = Sampler([0])(lg, reqs)
     ref = torch.log_softmax(lg, -1)

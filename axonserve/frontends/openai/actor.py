@@ -19,7 +19,7 @@ from axonserve.actors.runtime import SMALL_MESSAGE_BYTES, Actor
 from axonserve.frontends.client import AsyncEngineClient
 from axonserve.frontends.openai.server import build_app
 from axonserve.protocol import Codec
-from axonserve.protocol.messages import GetMetrics, MetricsText
+from axonserve.protocol.messages import GetMetrics, MetricsText, RestartStats
 
 _metrics_codec = Codec(MetricsText)
 
@@ -91,6 +91,20 @@ class FrontendActor(Actor):
             self.app.state.unhealthy = msg
         if self.client is not None:
             self.client.fail_all(msg)
+
+    async def on_peer_restarting(self, name: str, reason: str) -> None:
+        """/health turns 503 until the replacement is ready; a scheduler's clients wait for it."""
+        if getattr(self, "app", None) is not None:
+            self.app.state.restarting[name] = reason
+        if name == "scheduler" and self.client is not None:
+            self.client.suspend(f"{name} restarting: {reason}")
+
+    async def on_peer_restarted(self, name: str, seconds: float, info: dict) -> None:
+        if getattr(self, "app", None) is not None:
+            self.app.state.restarting.pop(name, None)
+        if name == "scheduler" and self.client is not None:
+            n = await self.client.resume()
+            self.publish(RestartStats(actor="", seconds=0.0, requests_resumed=n))
 
     async def teardown(self) -> None:
         if self._server is not None and self._serve_task is not None:

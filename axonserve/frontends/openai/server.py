@@ -53,7 +53,8 @@ from axonserve.structured_output.frontend import with_structured_outputs
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
-_LONG_PROMPT_CHARS = 4096  # tokenize longer prompts off the event loop
+_LONG_PROMPT_CHARS = 4096  # more prompt text than this in a request is tokenized off the event loop
+_LONG_ECHO_TOKENS = 4096  # echoing more prompt tokens than this is detokenized off the event loop
 _IMAGE_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="images")  # decoding and fetching
 _TRACE_WAIT_S = 60.0  # /stop_profile waits this long for the ranks' traces to be written
 
@@ -93,6 +94,7 @@ def build_app(
         )
     app.add_middleware(AccessLog)
     app.state.unhealthy = None
+    app.state.restarting = {}  # actor -> why: being replaced by the supervisor (/health 503 meanwhile)
     model_name = client.info.served_model_name or (config and config.served_model_name) or client.info.model
     known_models = {model_name, client.info.model}
     image_inputs = ImageInputs.load(client.info.model, client.tokenizer.hf, config) if client.info.model else None
@@ -137,12 +139,17 @@ def build_app(
     def unavailable() -> str | None:
         return app.state.unhealthy or (client.dead_reason if client.dead else None)
 
-    async def tokenize(prompt: str | list[int]) -> list[int]:
-        if not isinstance(prompt, str):
-            return prompt
-        if len(prompt) > _LONG_PROMPT_CHARS:
-            return await asyncio.to_thread(client.tokenizer.encode, prompt)
-        return client.tokenizer.encode(prompt)
+    async def tokenize(prompts: list[str | list[int]]) -> list[list[int]]:
+        """Every prompt's ids. More than _LONG_PROMPT_CHARS of text in all (one long prompt or a
+        batch of short ones: ~1 ms per 4k characters) is encoded on a thread: the event loop
+        streams everyone else's tokens meanwhile."""
+
+        def work() -> list[list[int]]:
+            return [client.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+
+        if sum(len(p) for p in prompts if isinstance(p, str)) > _LONG_PROMPT_CHARS:
+            return await asyncio.to_thread(work)
+        return work()
 
     limits = client.info.limits
 
@@ -169,11 +176,10 @@ def build_app(
         max_chars = max(1 << 20, 64 * client.info.max_model_len)
         return await render_bounded(work, cfg.chat_template_timeout_s, max_chars)
 
-    async def constrained(params: SamplingParams, body: Any, tool_spec: Any = None) -> SamplingParams:
-        """The request's structured-output constraint, size-checked then compiled off the loop."""
-        return await asyncio.to_thread(
-            with_structured_outputs, params, body, client.tokenizer, tool_spec, limits.max_structured_output_bytes
-        )
+    def constrained(params: SamplingParams, body: Any, tool_spec: Any = None) -> SamplingParams:
+        """The request's structured-output constraint, size-checked then compiled (llguidance: up
+        to seconds for a large schema): callers run this on a thread, never on the event loop."""
+        return with_structured_outputs(params, body, client.tokenizer, tool_spec, limits.max_structured_output_bytes)
 
     def start(
         prompts: list[list[int]], params: SamplingParams, rid: str, images: PromptImages | None = None
@@ -188,7 +194,8 @@ def build_app(
     @app.get("/health")
     @app.get("/ping")  # vLLM's (SageMaker's) name for the same probe
     async def health() -> Response:
-        reason = unavailable()
+        restarting = ", ".join(f"{k} restarting ({v})" for k, v in app.state.restarting.items())
+        reason = unavailable() or restarting or None
         if reason is not None:
             return error_response(503, f"engine unavailable: {reason}", "ServiceUnavailableError")
         return Response(status_code=200)
@@ -211,11 +218,18 @@ def build_app(
         texts = body.prompts()
         if len(texts) > limits.max_fanout:
             raise ParamError("prompt", f"at most {limits.max_fanout} prompts per request")
-        params = await constrained(body.sampling_params(), body)
-        prompts = [body.truncate(await tokenize(p)) for p in texts]
+        params = await asyncio.to_thread(constrained, body.sampling_params(), body)
+        prompts = [body.truncate(ids) for ids in await tokenize(texts)]
         note_access(request_id=rid)
         streams = start(prompts, params, rid)
-        echo = [client.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts] if body.echo else None
+        echo = None
+        if body.echo:
+
+            def detokenize() -> list[str]:
+                return [client.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
+
+            long = sum(len(ids) for ids in prompts) > _LONG_ECHO_TOKENS
+            echo = await asyncio.to_thread(detokenize) if long else detokenize()
         fmt = CompletionFormat(client, rid, model_name, params, prompts, echo=echo)
         if body.stream:
             return await _stream_response(raw, fmt, streams, params.n, body.include_usage)
@@ -228,11 +242,21 @@ def build_app(
         rid = request_id(body.request_id, "chatcmpl", limits.max_request_id_chars)
         if body.tools is not None and len(body.tools) > limits.max_tools:
             raise ParamError("tools", f"at most {limits.max_tools} tools per request")
-        tools = plan_tools(
-            body.tools, body.tool_choice, cfg.enable_auto_tool_choice, cfg.tool_call_parser, body.parallel_tool_calls
-        )
-        params = await constrained(body.sampling_params(), body, tools.structured if tools else None)
-        messages = template_messages([m.model_dump(exclude_none=True) for m in body.messages])
+
+        def prepare() -> tuple[Any, SamplingParams, list[dict[str, Any]]]:
+            """Request-sized CPU work, on a thread: tool schemas, the output constraint's compile,
+            the messages (tool-call arguments parsed)."""
+            tools = plan_tools(
+                body.tools,
+                body.tool_choice,
+                cfg.enable_auto_tool_choice,
+                cfg.tool_call_parser,
+                body.parallel_tool_calls,
+            )
+            params = constrained(body.sampling_params(), body, tools.structured if tools else None)
+            return tools, params, template_messages([m.model_dump(exclude_none=True) for m in body.messages])
+
+        tools, params, messages = await asyncio.to_thread(prepare)
         urls: list[str] = []
         if has_images(messages):
             if image_inputs is None:
@@ -273,12 +297,8 @@ def build_app(
             ids = await encode_chat([m.model_dump(exclude_none=True) for m in body.messages], body)
         else:
             ids = await asyncio.to_thread(tok.hf.encode, body.prompt, add_special_tokens=body.add_special_tokens)
-        return TokenizeResponse(
-            count=len(ids),
-            max_model_len=client.info.max_model_len,
-            tokens=ids,
-            token_strs=tok.hf.convert_ids_to_tokens(ids) if body.return_token_strs else None,
-        )
+        strs = await asyncio.to_thread(tok.hf.convert_ids_to_tokens, ids) if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=client.info.max_model_len, tokens=ids, token_strs=strs)
 
     @app.post("/detokenize")
     async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
