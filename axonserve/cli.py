@@ -93,6 +93,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="a request older than this ends with an error (HTTP 408) and frees its KV cache (0: none)",
     )
     p.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="independent engines (scheduler + tensor-parallel ranks each) behind one frontend, which "
+        "routes each request to the least loaded one (or the one whose prefix cache holds its prompt)",
+    )
+    p.add_argument(
+        "--distributed-executor-backend",
+        choices=["mp", "ray"],
+        default="mp",
+        help="mp: worker ranks are local processes; ray: Ray places them (one placement-group bundle per "
+        "rank, across the nodes of the cluster at RAY_ADDRESS, or a local one) and the bus goes over "
+        "CURVE-authenticated tcp (extra: ray)",
+    )
+    p.add_argument(
+        "--ray-placement-strategy", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"], default="PACK"
+    )
+    p.add_argument("--ray-cpus-per-worker", type=float, default=1.0, help="CPUs each rank's bundle reserves")
+    p.add_argument(
         "--max-restarts",
         type=int,
         default=5,
@@ -290,6 +310,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="prefill/decode disaggregation: decode = this engine's worker ranks only decode; a "
         "prefill pool (its own scheduler and ranks) computes prompts and moves their KV over",
     )
+    p.add_argument(
+        "--bus-transport",
+        default="ipc",
+        choices=["ipc", "tcp"],
+        help="the actors' message bus: ipc = unix sockets in a private run directory (one machine); "
+        "tcp = tcp://BUS_HOST:<port> endpoints, every socket CURVE-authenticated with keys made at launch",
+    )
+    p.add_argument(
+        "--bus-host",
+        default="127.0.0.1",
+        metavar="IP",
+        help="--bus-transport tcp: the address of this machine the bus binds and advertises to its peers",
+    )
     p.add_argument("--log-format", default="console", choices=["console", "json"])
     p.add_argument("--log-level", default="info")
     p.add_argument(
@@ -398,6 +431,10 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         max_waiting_tokens=args.max_waiting_tokens,
         request_timeout_s=args.request_timeout_s,
         max_restarts=args.max_restarts,
+        data_parallel_size=args.data_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
+        ray_placement_strategy=args.ray_placement_strategy,
+        ray_cpus_per_worker=args.ray_cpus_per_worker,
         restart_window_s=args.restart_window_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         step_timeout_s=args.step_timeout_s,
@@ -418,6 +455,8 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         decode_len_buckets=args.decode_len_buckets,
         log_format=args.log_format,
         log_level=args.log_level,
+        bus_transport=args.bus_transport,
+        bus_host=args.bus_host,
         profile_dir=os.path.abspath(args.profile_dir) if args.profile_dir else "",
         profile_max_steps=args.profile_max_steps,
         profile_max_traces=args.profile_max_traces,

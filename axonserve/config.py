@@ -5,7 +5,9 @@ It travels to child processes as JSON on their command line (msgspec, never pick
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 
 import msgspec
 
@@ -204,7 +206,16 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # KV cache storage (vLLM's --kv-cache-dtype): auto = the model's dtype; int8 = codes with a
     # float32 scale per (token, KV head), half the bytes a decode step's attention reads
     kv_cache_dtype: str = "auto"
-    num_workers: int = 1  # worker ranks
+    num_workers: int = 1  # worker ranks (tensor parallel) of one engine
+    # data parallelism: N independent engines (scheduler + num_workers ranks each) behind one frontend,
+    # whose client routes each request (frontends/dp_client.py); this engine's index among them
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    # where worker ranks run: mp = local processes; ray = Ray actors in a placement group, one bundle per
+    # rank, possibly on other nodes (distributed/ray_executor.py; the bus then goes over CURVE tcp)
+    distributed_executor_backend: str = "mp"
+    ray_placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    ray_cpus_per_worker: float = 1.0
     enable_expert_parallel: bool = False  # MoE: experts split over the ranks (else each expert is sharded)
     seed: int = 0
     threads: int | None = None  # torch threads per worker; None: all cores / num_workers
@@ -254,6 +265,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # bus: the largest frame a data socket accepts (ZMQ_MAXMSGSIZE; larger: the sender is
     # disconnected). 0: max(1 GiB, 128 MiB x max_images_per_request) (actors/runtime.py)
     max_bus_message_bytes: int = 0
+    # bus transport: ipc = unix sockets in a 0700 run directory (one machine); tcp = every endpoint
+    # tcp://bus_host:<free port> (`Addresses.tcp`: what actors on other machines need), every socket
+    # CURVE-authenticated with keys made per launch (actors/security.py). bus_host: the address the
+    # launcher's node binds and advertises (an IP address of this machine, not a wildcard)
+    bus_transport: str = "ipc"
+    bus_host: str = "127.0.0.1"
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser), as vLLM's flag
     tool_call_parser: str = ""  # hermes | llama3_json (frontends/openai/tools.py)
     # chat templates: a request may bring its own (`chat_template`, or in chat_template_kwargs) only
@@ -309,6 +326,33 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
             if clash:
                 raise ValueError(f"multi-step decoding (num_scheduler_steps > 1) is not supported with {clash[0]}")
         self.limits.validate()
+        if self.data_parallel_size < 1 or not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError("data_parallel_size must be >= 1 (and data_parallel_rank below it)")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(
+                f"distributed_executor_backend must be mp or ray, not {self.distributed_executor_backend!r}"
+            )
+        if self.distributed_executor_backend == "ray":  # ranks on other nodes: they reach the bus over tcp
+            import importlib.util
+
+            if importlib.util.find_spec("ray") is None:
+                raise ValueError("--distributed-executor-backend ray needs Ray: pip install 'axonserve[ray]'")
+            self.bus_transport = "tcp"
+        if self.ray_placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ValueError(f"ray_placement_strategy {self.ray_placement_strategy!r} is not a Ray strategy")
+        if self.data_parallel_size > 1:
+            clash = [
+                name
+                for name, on in (
+                    ("speculative decoding", self.speculative is not None),
+                    ("encoder workers", self.encoder_workers > 0),
+                    ("prefill/decode disaggregation", self.role != "both"),
+                    ("tensor snapshots", bool(self.snapshot)),
+                )
+                if on
+            ]
+            if clash:
+                raise ValueError(f"--data-parallel-size > 1 does not support {clash[0]} yet")
         if self.max_restarts < 0:
             raise ValueError("max_restarts must be >= 0 (0: fail-stop)")
         if self.max_waiting < 0 or self.max_waiting_tokens < 0 or self.request_timeout_s < 0:
@@ -329,10 +373,24 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
         bad = [name for name in positive if not getattr(self, name) > 0]
         if bad:
             raise ValueError(f"{', '.join(bad)} must be > 0")
+        self._check_bus()
         if self.speculative is not None:
             self.speculative.validate()
             if self.bucketing:
                 raise ValueError("speculative decoding is not supported in bucketing mode yet")
+
+    def _check_bus(self) -> None:
+        """The bus host is advertised to peers and bound: a wildcard or a name is refused here."""
+        if self.bus_transport not in ("ipc", "tcp"):
+            raise ValueError(f"bus_transport must be ipc or tcp, not {self.bus_transport!r}")
+        try:
+            ip = ipaddress.ip_address(self.bus_host)
+        except ValueError:
+            raise ValueError(f"bus_host must be an IP address of this machine, not {self.bus_host!r}") from None
+        if ip.is_unspecified:
+            raise ValueError(f"bus_host {self.bus_host} is a wildcard: give the address peers reach this machine at")
+        if self.bus_transport == "ipc" and self.bus_host != "127.0.0.1":
+            raise ValueError("bus_host is for --bus-transport tcp")
 
     def _check_xla(self) -> None:
         """The XLA runner always runs bucketed (static shapes); what it does not run is refused here,
@@ -378,6 +436,18 @@ def resolve_device(device: str) -> str:
     return "xla" if importlib.util.find_spec("torch_neuronx") is not None else "cpu"
 
 
+def engine_suffix(dp_rank: int) -> str:
+    """Name suffix of data-parallel engine `dp_rank`'s actors: engine 0 keeps the plain names
+    ("scheduler", "worker-0", the "workers" restart event), engine i > 0 adds "-dp<i>"."""
+    return f"-dp{dp_rank}" if dp_rank else ""
+
+
+def engine_of(name: str) -> int:
+    """The data-parallel engine an actor (or restart event) name belongs to."""
+    head, sep, tail = name.rpartition("-dp")
+    return int(tail) if sep and tail.isdigit() else 0
+
+
 class Addresses(msgspec.Struct, kw_only=True):
     """Bus endpoints (URLs: ipc:// on one host, tcp:// across hosts)."""
 
@@ -392,6 +462,7 @@ class Addresses(msgspec.Struct, kw_only=True):
     drafter: str = ""  # drafter ROUTER (speculative decoding with a draft model) <- scheduler DEALER
     router: str = ""  # encoder router ROUTER: the scheduler's and every encoder's DEALER
     prefill: str = ""  # P/D: the prefill engine's scheduler ROUTER (the decode scheduler is its client)
+    engines: list[str] = []  # data parallel: every engine's scheduler ROUTER, in engine order (the frontend's)
 
     @classmethod
     def in_dir(cls, d: str, dist_port: int = 0) -> "Addresses":
@@ -407,6 +478,48 @@ class Addresses(msgspec.Struct, kw_only=True):
             drafter=f"ipc://{d}/drafter",
             router=f"ipc://{d}/router",
         )
+
+    @classmethod
+    def tcp(cls, host: str, *, dist_init: bool = False, avoid: set[int] | frozenset[int] = frozenset()) -> Addresses:
+        """Every endpoint tcp://host:<free port> (the torch.distributed rendezvous too, with
+        `dist_init`): a bus that actors on other machines can reach, CURVE-authenticated
+        (actors/security.py). Ports are probed free now and bound by their actors later; `avoid`:
+        ports already promised (the HTTP port, another engine's endpoints)."""
+        names = [*TCP_ENDPOINTS, *(("dist_init",) if dist_init else ())]
+        return cls(**{name: tcp_url(host, port) for name, port in zip(names, free_ports(host, len(names), avoid))})
+
+    def tcp_ports(self) -> set[int]:
+        """The ports of this bus's tcp:// endpoints (for `avoid`)."""
+        urls = [getattr(self, name) for name in self.__struct_fields__]
+        flat = [u for url in urls for u in (url if isinstance(url, list) else [url])]
+        return {int(u.rsplit(":", 1)[1]) for u in flat if u.startswith("tcp://")}
+
+
+TCP_ENDPOINTS = ("control", "engine", "plan", "result", "stats", "metrics", "snapshot", "drafter", "router")
+
+
+def tcp_url(host: str, port: int) -> str:
+    """tcp://host:port, an IPv6 host in brackets."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def free_ports(host: str, n: int, avoid: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """`n` distinct TCP ports free on `host` now (each probe stays bound until all are chosen)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    probes: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < n:
+            s = socket.socket(family, socket.SOCK_STREAM)
+            probes.append(s)
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+            if port not in avoid:
+                ports.append(port)
+    finally:
+        for s in probes:
+            s.close()
+    return ports
 
 
 class ActorSpec(msgspec.Struct, kw_only=True):

@@ -14,8 +14,10 @@ import signal
 import sys
 
 import msgspec
+import structlog
 
 from axonserve.actors.runtime import Actor
+from axonserve.actors.security import BusKeysMissing, check
 from axonserve.config import ActorSpec
 from axonserve.logs import setup_logging
 
@@ -82,6 +84,11 @@ def main() -> None:
     _die_with_parent(int(os.environ.get("AXONSERVE_PARENT_PID", os.getppid())))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup_logging(spec.config.log_format, spec.config.log_level, actor=spec.name)
+    try:
+        check(spec.addresses)  # a tcp bus and no keys: never run unauthenticated
+    except BusKeysMissing as e:
+        structlog.get_logger().error("bus_keys_missing", error=str(e))
+        os._exit(2)
     try:
         import uvloop
 

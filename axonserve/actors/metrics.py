@@ -253,7 +253,7 @@ class EngineMetrics:
 
     def __init__(self, model_name: str, max_model_len: int = 8192):
         r = self.registry = CollectorRegistry()
-        lbl = ["model_name"]
+        lbl = ["model_name", "engine"]  # engine: the data-parallel engine the figure is from (vLLM's label)
         self.model = model_name
         g = lambda n, d, extra=(): Gauge(n, d, lbl + list(extra), registry=r)  # noqa: E731
         c = lambda n, d, extra=(): Counter(n, d, lbl + list(extra), registry=r)  # noqa: E731
@@ -312,9 +312,9 @@ class EngineMetrics:
             "axonserve:actor_restart_seconds", "Time from a failure to its replacement ready", COMPILE_BUCKETS
         )
         self.resumed = c("axonserve:requests_resumed", "In-flight requests resumed after a restart")
-        self.resumed.labels(model_name)
+        self.resumed.labels(model_name, "0")
         for m in (self.xla_compiles, self.xla_compile_s, self.xla_cache_hits):
-            m.labels(model_name)  # at 0 from the start: a dashboard tells "none yet" from "not exported"
+            m.labels(model_name, "0")  # at 0 from the start: a dashboard tells "none yet" from "not exported"
         self.shapes = ShapeHistograms(model_name)
         r.register(self.shapes)
         self.buckets = Info(
@@ -322,74 +322,75 @@ class EngineMetrics:
         )
 
     def apply(self, ev: object) -> None:
-        m = self.model
-        self.events.labels(m).inc()
+        m = (self.model, str(getattr(ev, "engine", 0)))
+        self.events.labels(*m).inc()
         if isinstance(ev, StepStats):
             self.shapes.record(ev)  # (first: it refuses a malformed event before anything counts it)
-            self.running.labels(m).set(ev.num_running)
-            self.waiting.labels(m).set(ev.num_waiting)
-            self.kv_usage.labels(m).set(ev.kv_cache_usage)
-            self.prompt_tokens.labels(m).inc(ev.prompt_tokens)
-            self.generation_tokens.labels(m).inc(ev.generation_tokens)
-            self.preemptions.labels(m).inc(ev.num_preemptions)
-            self.prefix_queries.labels(m).inc(ev.prefix_cache_queries)
-            self.prefix_hits.labels(m).inc(ev.prefix_cache_hits)
+            self.running.labels(*m).set(ev.num_running)
+            self.waiting.labels(*m).set(ev.num_waiting)
+            self.kv_usage.labels(*m).set(ev.kv_cache_usage)
+            self.prompt_tokens.labels(*m).inc(ev.prompt_tokens)
+            self.generation_tokens.labels(*m).inc(ev.generation_tokens)
+            self.preemptions.labels(*m).inc(ev.num_preemptions)
+            self.prefix_queries.labels(*m).inc(ev.prefix_cache_queries)
+            self.prefix_hits.labels(*m).inc(ev.prefix_cache_hits)
             if ev.num_tokens:
-                self.iter_tokens.labels(m).observe(ev.num_tokens)
-            self.forwards.labels(m).inc(ev.num_forwards)
+                self.iter_tokens.labels(*m).observe(ev.num_tokens)
+            self.forwards.labels(*m).inc(ev.num_forwards)
             for v in ev.ttft_s:
-                self.ttft.labels(m).observe(v)
+                self.ttft.labels(*m).observe(v)
             for v in ev.itl_s:
-                self.itl.labels(m).observe(v)
+                self.itl.labels(*m).observe(v)
             if ev.spec_drafts:
-                self.spec_drafts.labels(m).inc(ev.spec_drafts)
-                self.spec_draft_tokens.labels(m).inc(ev.spec_draft_tokens)
-                self.spec_accepted.labels(m).inc(ev.spec_accepted_tokens)
+                self.spec_drafts.labels(*m).inc(ev.spec_drafts)
+                self.spec_draft_tokens.labels(*m).inc(ev.spec_draft_tokens)
+                self.spec_accepted.labels(*m).inc(ev.spec_accepted_tokens)
                 for pos, n in enumerate(ev.spec_accepted_per_pos):
-                    self.spec_per_pos.labels(m, str(pos)).inc(n)
+                    self.spec_per_pos.labels(*m, str(pos)).inc(n)
             for phase in STEP_PHASES:
-                self.step_time.labels(m, phase).observe(getattr(ev, f"{phase}_s"))
-            self.dropped.labels(m, "scheduler").set(ev.dropped)
+                self.step_time.labels(*m, phase).observe(getattr(ev, f"{phase}_s"))
+            self.dropped.labels(*m, "scheduler").set(ev.dropped)
         elif isinstance(ev, RequestStats):
-            self.success.labels(m, ev.finish_reason).inc()
-            self.e2e.labels(m).observe(ev.e2e_s)
-            self.queue.labels(m).observe(ev.queue_s)
-            self.req_prompt.labels(m).observe(ev.prompt_tokens)
-            self.req_gen.labels(m).observe(ev.generation_tokens)
-            self.prefill.labels(m).observe(ev.prefill_s)
-            self.decode.labels(m).observe(ev.decode_s)
+            self.success.labels(*m, ev.finish_reason).inc()
+            self.e2e.labels(*m).observe(ev.e2e_s)
+            self.queue.labels(*m).observe(ev.queue_s)
+            self.req_prompt.labels(*m).observe(ev.prompt_tokens)
+            self.req_gen.labels(*m).observe(ev.generation_tokens)
+            self.prefill.labels(*m).observe(ev.prefill_s)
+            self.decode.labels(*m).observe(ev.decode_s)
             if ev.generation_tokens > 1:
-                self.tpot.labels(m).observe(ev.decode_s / (ev.generation_tokens - 1))
+                self.tpot.labels(*m).observe(ev.decode_s / (ev.generation_tokens - 1))
         elif isinstance(ev, EncoderStats):
-            self.mm_images.labels(m).inc(ev.images)
-            self.mm_cache_hits.labels(m).inc(ev.cache_hits)
-            self.mm_encode.labels(m).inc(ev.encode_s)
-            self.mm_retries.labels(m).inc(ev.retries)
+            self.mm_images.labels(*m).inc(ev.images)
+            self.mm_cache_hits.labels(*m).inc(ev.cache_hits)
+            self.mm_encode.labels(*m).inc(ev.encode_s)
+            self.mm_retries.labels(*m).inc(ev.retries)
         elif isinstance(ev, CompileStats):
             if not all(0 <= s < math.inf for s in ev.seconds) or ev.cache_hits < 0:
                 raise ValueError(f"impossible compile stats {ev}")
-            self.xla_compiles.labels(m).inc(len(ev.seconds))
+            self.xla_compiles.labels(*m).inc(len(ev.seconds))
             for s in ev.seconds:
-                self.xla_compile_s.labels(m).observe(s)
-            self.xla_cache_hits.labels(m).inc(ev.cache_hits)
+                self.xla_compile_s.labels(*m).observe(s)
+            self.xla_cache_hits.labels(*m).inc(ev.cache_hits)
         elif isinstance(ev, RestartStats):
             if not 0 <= ev.seconds < math.inf or ev.requests_resumed < 0 or len(ev.actor) > 64:
                 raise ValueError(f"impossible restart stats {ev}")
             if ev.actor:
-                self.restarts.labels(m, ev.actor).inc()
-                self.restart_s.labels(m).observe(ev.seconds)
-            self.resumed.labels(m).inc(ev.requests_resumed)
+                self.restarts.labels(*m, ev.actor).inc()
+                self.restart_s.labels(*m).observe(ev.seconds)
+            self.resumed.labels(*m).inc(ev.requests_resumed)
         elif isinstance(ev, BucketInfo):
-            self.buckets.labels(m).info(
+            self.buckets.labels(*m).info(
                 {
                     f: ",".join(map(str, v)) if isinstance(v, list) else str(v)
                     for f in BucketInfo.__struct_fields__
+                    if f != "engine"  # (a label)
                     for v in [getattr(ev, f)]
                 }
             )
         elif isinstance(ev, ActorAlive):
-            self.alive.labels(m, ev.actor).set(time.time())
-            self.dropped.labels(m, ev.actor).set(ev.dropped)
+            self.alive.labels(*m, ev.actor).set(time.time())
+            self.dropped.labels(*m, ev.actor).set(ev.dropped)
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()

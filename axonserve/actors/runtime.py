@@ -23,6 +23,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from axonserve.actors.security import release, secure
 from axonserve.config import ActorSpec
 from axonserve.protocol import Codec, Control, DecodeError
 from axonserve.protocol.messages import (
@@ -66,10 +67,22 @@ def data_message_bytes(config: Any) -> int:
 
 
 def bus_socket(ctx: zmq.Context, kind: int, max_bytes: int = DATA_MESSAGE_BYTES) -> Any:
-    """Every bus socket is made here: a new socket of `kind` that drops frames over `max_bytes`."""
+    """Every bus socket is made here: a new socket of `kind` that drops frames over `max_bytes`.
+    Bind or connect it with `attach`, which puts CURVE on a tcp:// endpoint."""
     s = ctx.socket(kind)
     s.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     return s
+
+
+def attach(sock: Any, address: str, *, bind: bool = False) -> None:
+    """Every bus socket binds or connects here: on tcp:// as a CURVE server (binding) or client
+    (`actors/security.py`; no keys: BusKeysMissing), on ipc:// as it is (its 0700 run directory
+    keeps other users out)."""
+    secure(sock, address, server=bind)
+    if bind:
+        sock.bind(address)
+    else:
+        sock.connect(address)
 
 
 def supervisor_name(identity: bytes) -> str:
@@ -99,7 +112,7 @@ class Actor:
             self._stats_sock = bus_socket(zmq.Context.shadow(self.ctx.underlying), zmq.PUSH, SMALL_MESSAGE_BYTES)
             self._stats_sock.setsockopt(zmq.LINGER, 0)
             self._stats_sock.setsockopt(zmq.SNDHWM, 10_000)
-            self._stats_sock.connect(self.addresses.stats)
+            attach(self._stats_sock, self.addresses.stats)
         self.stats_dropped = 0
         self._loop_tick = time.monotonic()  # the event loop's last heartbeat tick (_heartbeat_loop)
 
@@ -146,10 +159,7 @@ class Actor:
             s.setsockopt(zmq.SNDHWM, 0)
         if kind in (zmq.SUB, zmq.PULL, zmq.DEALER, zmq.ROUTER):
             s.setsockopt(zmq.RCVHWM, 0)
-        if bind:
-            s.bind(address)
-        else:
-            s.connect(address)
+        attach(s, address, bind=bind)
         return s
 
     async def messages(self, sock: zmq.asyncio.Socket, codec: Codec, what: str, routed: bool = False):
@@ -246,6 +256,7 @@ class Actor:
         if self._stats_sock is not None:
             self._stats_sock.close(linger=0)
             self._stats_sock = None
+        release(self.ctx)  # its ZAP thread's sockets would hold the context's term
         self.ctx.destroy(linger=1000)
 
     async def _control_loop(self) -> None:
@@ -295,7 +306,7 @@ class Actor:
         sock = bus_socket(zmq.Context.shadow(self.ctx.underlying), zmq.DEALER, SMALL_MESSAGE_BYTES)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, (self.name + HEARTBEAT_SUFFIX).encode())
-        sock.connect(self.addresses.control)
+        attach(sock, self.addresses.control)
         stalled = False
         try:
             while True:

@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from axonserve.actors.runtime import Actor, bus_socket, data_message_bytes
+from axonserve.actors.runtime import Actor, attach, bus_socket, data_message_bytes
 from axonserve.protocol import Codec, DecodeError, tensor_from_frame
 from axonserve.protocol.messages import SnapshotRecord
 
@@ -46,7 +46,7 @@ class SnapshotSink(Actor):
         self.pull = bus_socket(self.ctx, zmq.PULL, data_message_bytes(self.config))
         self.pull.setsockopt(zmq.RCVHWM, QUEUE)
         self.pull.setsockopt(zmq.LINGER, 0)
-        self.pull.bind(self.addresses.snapshot)
+        attach(self.pull, self.addresses.snapshot, bind=True)
         self.run_id = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
         self.index = _load_index(self.dir)
         self.index["rules"] = json.loads(self.config.snapshot or "{}")

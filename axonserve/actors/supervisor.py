@@ -23,7 +23,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,8 +35,9 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from axonserve.actors.runtime import SMALL_MESSAGE_BYTES, bus_socket, supervisor_name
-from axonserve.config import ActorSpec, Addresses, EngineConfig
+from axonserve.actors import security
+from axonserve.actors.runtime import SMALL_MESSAGE_BYTES, attach, bus_socket, supervisor_name
+from axonserve.config import ActorSpec, Addresses, EngineConfig, engine_suffix, free_ports
 from axonserve.protocol import Codec, Control, DecodeError
 from axonserve.protocol.messages import (
     ActorFailed,
@@ -76,10 +76,14 @@ class _Child:
     last_seen: float = field(default_factory=time.monotonic)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _bare_host(url_host: str) -> str:
+    """tcp://1.2.3.4 or tcp://[::1] -> 1.2.3.4 or ::1."""
+    return url_host.removeprefix("tcp://").strip("[]")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (tcp://[v6]:port hosts may come with their brackets)."""
+    return free_ports(host.strip("[]"), 1)[0]
 
 
 class Supervisor:
@@ -95,6 +99,18 @@ class Supervisor:
         while config.num_workers > 1 and dist_port in (0, config.port):  # not the HTTP port
             dist_port = free_port()
         self.addresses = Addresses.in_dir(self.run_dir, dist_port)
+        # a tcp bus (actors on other machines can reach it): CURVE on every socket, keys per launch,
+        # handed to children in their environment (`bus_env`), never on argv
+        self.bus_keys: security.BusKeys | None = None
+        if config.bus_transport == "tcp":
+            self.addresses = Addresses.tcp(config.bus_host, dist_init=config.num_workers > 1, avoid={config.port})
+            self.bus_keys = security.launch_keys()
+            log.info(
+                "bus",
+                transport="tcp",
+                curve=True,
+                **{k: v for k, v in msgspec.structs.asdict(self.addresses).items() if v},
+            )
         if workers_only:  # nobody binds these: stats and snapshots stay off
             self.addresses.stats = self.addresses.metrics = self.addresses.snapshot = ""
         self.children: dict[str, _Child] = {}
@@ -106,6 +122,7 @@ class Supervisor:
         self._stopped = False
         self._tasks: list[asyncio.Task] = []
         self._junk = 0  # undecodable control messages dropped
+        self.ray = None  # the Ray backend's executor (distributed/ray_executor.py), made at start
         self._restarts: deque[float] = deque()  # when each restart began (within restart_window_s)
         # event name ("workers" or an actor's) -> (start, cause, the actors replaced)
         self.restarting: dict[str, tuple[float, str, list[str]]] = {}
@@ -128,18 +145,23 @@ class Supervisor:
         self.control.setsockopt(zmq.LINGER, 0)
         self.control.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.control.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a replacement takes over its predecessor's identity
-        self.control.bind(self.addresses.control)
+        attach(self.control, self.addresses.control, bind=True)
         self._stats = None
         if self.addresses.stats:  # restart counts for the metrics actor
             self._stats = bus_socket(zmq.Context.shadow(self.ctx.underlying), zmq.PUSH, SMALL_MESSAGE_BYTES)
             self._stats.setsockopt(zmq.LINGER, 0)
-            self._stats.connect(self.addresses.stats)
-        specs = [
-            ActorSpec(kind="worker", name=f"worker-{r}", config=self.config, addresses=self.addresses, rank=r)
-            for r in range(self.config.num_workers)
-        ]
+            attach(self._stats, self.addresses.stats)
+        specs = []
+        for i in range(self.config.data_parallel_size):  # each engine: its ranks and its scheduler
+            cfg, addrs, sfx = self._engine(i)
+            specs += [
+                ActorSpec(kind="worker", name=f"worker-{r}{sfx}", config=cfg, addresses=addrs, rank=r)
+                for r in range(self.config.num_workers)
+            ]
+            if not self.workers_only:
+                specs.append(ActorSpec(kind="scheduler", name=f"scheduler{sfx}", config=cfg, addresses=addrs))
+        self.addresses.engines = [s.addresses.engine for s in specs if s.kind == "scheduler"]
         if not self.workers_only:
-            specs.append(ActorSpec(kind="scheduler", name="scheduler", config=self.config, addresses=self.addresses))
             specs.append(ActorSpec(kind="metrics", name="metrics", config=self.config, addresses=self.addresses))
         spec_cfg = self.config.speculative
         if spec_cfg is not None and spec_cfg.uses_drafter and not self.workers_only:
@@ -156,8 +178,13 @@ class Supervisor:
             specs.append(ActorSpec(kind="snapshot", name="snapshot", config=self.config, addresses=self.addresses))
         if self.with_frontend:
             specs.append(ActorSpec(kind="frontend", name="frontend", config=self.config, addresses=self.addresses))
-        for spec in specs:
-            self.children[spec.name] = _Child(spec, self._spawn(spec))
+        if self.config.distributed_executor_backend == "ray" and not self.ray:
+            from axonserve.distributed.ray_executor import RayExecutor
+
+            ranks = sum(s.kind == "worker" for s in specs)
+            cfg = self.config
+            self.ray = await asyncio.to_thread(RayExecutor, ranks, cfg.ray_placement_strategy, cfg.ray_cpus_per_worker)
+        await self._start_children(specs)
         self._tasks = [
             asyncio.create_task(self._control_loop(), name="supervisor-control"),
             asyncio.create_task(self._watch_loop(), name="supervisor-watch"),
@@ -183,6 +210,30 @@ class Supervisor:
             "engine_ready", seconds=round(time.monotonic() - t0, 2), actors=len(self.children), **self.engine_facts()
         )
 
+    def _engine(self, i: int) -> tuple[EngineConfig, Addresses, str]:
+        """Data-parallel engine i's config, addresses (its own client, plan, result and rendezvous
+        endpoints: engine 0 has the launch's own) and name suffix."""
+        if i == 0:
+            return self.config, self.addresses, ""
+        a = self.addresses
+
+        def other(url: str, name: str) -> str:
+            if not url:
+                return url
+            if url.startswith("ipc://"):
+                return f"ipc://{self.run_dir}/{name}-dp{i}"
+            host = url.rsplit(":", 1)[0]  # tcp://host:port -> the same host, a free port
+            return f"{host}:{free_port(_bare_host(host))}"
+
+        addrs = msgspec.structs.replace(
+            a,
+            engine=other(a.engine, "engine"),
+            plan=other(a.plan, "plan"),
+            result=other(a.result, "result"),
+            dist_init=other(a.dist_init, "dist") if a.dist_init else "",
+        )
+        return msgspec.structs.replace(self.config, data_parallel_rank=i), addrs, engine_suffix(i)
+
     def _prefill_pool(self) -> list[ActorSpec]:
         """P/D: a second engine (scheduler + worker ranks) that only prefills, on its own
         sockets; the decode scheduler is its client."""
@@ -191,12 +242,20 @@ class Supervisor:
         port = 0
         while cfg.num_workers > 1 and port in (0, cfg.port):
             port = free_port()
+        own = {
+            "engine": f"ipc://{d}/prefill-engine",
+            "plan": f"ipc://{d}/prefill-plan",
+            "result": f"ipc://{d}/prefill-result",
+            "dist_init": f"tcp://127.0.0.1:{port}" if port else "",
+        }
+        if self.config.bus_transport == "tcp":
+            t = Addresses.tcp(
+                cfg.bus_host, dist_init=cfg.num_workers > 1, avoid={cfg.port, *self.addresses.tcp_ports()}
+            )
+            own = {"engine": t.engine, "plan": t.plan, "result": t.result, "dist_init": t.dist_init}
         addrs = msgspec.structs.replace(
             self.addresses,
-            engine=f"ipc://{d}/prefill-engine",
-            plan=f"ipc://{d}/prefill-plan",
-            result=f"ipc://{d}/prefill-result",
-            dist_init=f"tcp://127.0.0.1:{port}" if port else "",
+            **own,
             snapshot="",
             router="",
             prefill="",
@@ -211,13 +270,21 @@ class Supervisor:
         s = self.children.get("scheduler")
         return dict(s.info) if s else {}
 
+    @property
+    def bus_env(self) -> dict[str, str]:
+        """What a child's environment needs to join this launch's bus (its CURVE keys on a tcp bus)."""
+        return self.bus_keys.env() if self.bus_keys is not None else {}
+
     def _spawn(self, spec: ActorSpec) -> subprocess.Popen:
         """The spec (config and addresses, never a secret: the API key is not in EngineConfig)
-        goes on argv; the environment is inherited, the API key by the frontend only."""
+        goes on argv; the environment is inherited, the API key by the frontend only, the bus keys
+        (a tcp bus's, `bus_env`) by every child."""
         env = dict(os.environ, AXONSERVE_PARENT_PID=str(os.getpid()))
         if spec.kind != "frontend":
             for name in SECRET_ENV:
                 env.pop(name, None)
+        env.pop(security.KEYS_ENV, None)
+        env.update(self.bus_env)
         cmd = [sys.executable, "-m", "axonserve.actors.entry", msgspec.json.encode(spec).decode()]
         return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
 
@@ -341,14 +408,15 @@ class Supervisor:
     def _restart_group(self, child: _Child) -> tuple[str, list[str]] | None:
         """(event name, the actors to replace) when `child`'s failure can heal; None: fail-stop.
         The main engine's worker ranks go as a group; a P/D prefill engine and the frontend do not heal."""
-        kind, main = child.spec.kind, child.spec.addresses.plan == self.addresses.plan
+        spec = child.spec
+        kind, main = spec.kind, spec.addresses.engine in self.addresses.engines  # (not a P/D prefill engine)
         if self.config.max_restarts <= 0:
             return None
         if kind == "worker" and main:
-            return "workers", [
+            return "workers" + engine_suffix(spec.config.data_parallel_rank), [
                 c.spec.name
                 for c in self.children.values()
-                if c.spec.kind == "worker" and c.spec.addresses.plan == self.addresses.plan
+                if c.spec.kind == "worker" and c.spec.addresses.plan == spec.addresses.plan
             ]
         if (kind == "scheduler" and main) or kind in RESTART_IN_PLACE:
             return child.spec.name, [child.spec.name]
@@ -375,11 +443,13 @@ class Supervisor:
                 c.proc.kill()
         await asyncio.gather(*(asyncio.to_thread(c.proc.wait, 10) for c in old), return_exceptions=True)
         dist_init = self.addresses.dist_init
-        if event == "workers" and self.config.num_workers > 1:  # a fresh rendezvous: the old store died with rank 0
-            dist_init = f"tcp://127.0.0.1:{free_port()}"
+        if event.startswith("workers") and self.config.num_workers > 1:  # a fresh rendezvous: the old store died
+            host = old[0].spec.addresses.dist_init.rsplit(":", 1)[0]
+            dist_init = f"{host}:{free_port(_bare_host(host))}"
+        specs = []
         for c in old:
             spec = c.spec
-            if event == "workers":  # the scheduler's pool size is fixed: the new ranks must match it
+            if event.startswith("workers"):  # the scheduler's pool size is fixed: the new ranks must match it
                 blocks = int(self._worker_facts(old)["num_kv_blocks"])
                 spec = msgspec.structs.replace(
                     spec,
@@ -388,7 +458,33 @@ class Supervisor:
                 )
             if spec.kind == "scheduler":
                 self._configured.discard(spec.name)
-            self.children[spec.name] = _Child(spec, self._spawn(spec))
+            specs.append(spec)
+        await self._start_children(specs)
+
+    async def _start_children(self, specs: list[ActorSpec]) -> None:
+        """Local processes; with the Ray backend the worker ranks in Ray actors instead, each engine's
+        ranks in their placement-group bundles (rank 0's node holding their rendezvous)."""
+        ranks = [s for s in specs if s.kind == "worker"] if self.ray is not None else []
+        for spec in specs:
+            if spec not in ranks:
+                self.children[spec.name] = _Child(spec, self._spawn(spec))
+        engines: dict[str, list[ActorSpec]] = {}
+        for spec in ranks:
+            engines.setdefault(spec.addresses.plan, []).append(spec)
+        for group in engines.values():
+            group.sort(key=lambda s: s.rank)
+            tp = self.config.num_workers
+            base = group[0].config.data_parallel_rank * tp
+            hosts = [await asyncio.to_thread(self.ray.host, base + s.rank) for s in group]  # type: ignore[union-attr]
+            if tp > 1:  # the rendezvous on rank 0's node, at an address the other nodes reach
+                dist = await asyncio.to_thread(self.ray.rendezvous, hosts[0])  # type: ignore[union-attr]
+                group = [
+                    msgspec.structs.replace(s, addresses=msgspec.structs.replace(s.addresses, dist_init=dist))
+                    for s in group
+                ]
+            for spec, host in zip(group, hosts):
+                proc = await asyncio.to_thread(self.ray.spawn, host, spec, self.bus_env)  # type: ignore[union-attr]
+                self.children[spec.name] = _Child(spec, proc)
 
     async def _finish_restarts(self) -> None:
         """Restarts whose replacements are all Ready: tell the survivors, count, log."""
@@ -397,7 +493,8 @@ class Supervisor:
                 continue
             del self.restarting[event]
             seconds = time.monotonic() - t0
-            info = self._worker_facts([self.children[n] for n in names]) if event == "workers" else {}
+            workers = event.startswith("workers")
+            info = self._worker_facts([self.children[n] for n in names]) if workers else {}
             log.warning("actor.restarted", actor=event, cause=cause, seconds=round(seconds, 2))
             self._publish(RestartStats(actor=event, seconds=seconds))
             await self._tell_all(ActorRestarted(event, seconds, info), skip=names)
@@ -449,7 +546,11 @@ class Supervisor:
         if getattr(self, "_stats", None) is not None:
             self._stats.close(linger=0)
         if hasattr(self, "ctx"):
+            security.release(self.ctx)  # the control socket's ZAP thread, before the context's term
             self.ctx.destroy(linger=0)
+        if self.ray is not None:  # no Ray actor or placement group of this launch stays behind
+            await asyncio.to_thread(self.ray.shutdown)
+            self.ray = None
         shutil.rmtree(self.run_dir, ignore_errors=True)
         log.info("engine_stopped", reason=reason)
 

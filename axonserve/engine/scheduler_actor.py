@@ -21,7 +21,8 @@ from typing import Any, Callable
 import zmq
 
 from axonserve import __version__
-from axonserve.actors.runtime import Actor, bus_socket, data_message_bytes
+from axonserve.actors.runtime import Actor, attach, bus_socket, data_message_bytes
+from axonserve.config import engine_suffix
 from axonserve.engine.buckets import BucketConfig
 from axonserve.engine.disagg import PrefillStage, attach_kv, exported_kv
 from axonserve.engine.profiling import ProfilerStage
@@ -85,7 +86,7 @@ class SchedulerActor(Actor):
         self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every rank's subscription, not just the first
         self.pub.setsockopt(zmq.SNDHWM, 0)
         self.pub.setsockopt(zmq.LINGER, 2000)
-        self.pub.bind(a.plan)
+        attach(self.pub, a.plan, bind=True)
         self.pull = self.socket(zmq.PULL, a.result, bind=True)
         self.result_frames: list = []  # the last step result's frames (tensor frames forwarded as they are)
         info = await asyncio.wait_for(self.configured, cfg.ready_timeout_s)
@@ -457,6 +458,12 @@ class SchedulerActor(Actor):
 
     # ------------------------------------------------------------------ the core interface (engine/stage.py)
 
+    def publish(self, event: Any) -> None:
+        """Stats events say which data-parallel engine they are from (the metrics' `engine` label)."""
+        if hasattr(event, "engine"):
+            event.engine = self.config.data_parallel_rank
+        super().publish(event)
+
     async def enqueue(self, req: Request) -> None:
         """Into the scheduler's waiting queue: it runs from the next step on (P/D decode: once
         the prefill engine has sent its first token and KV)."""
@@ -544,7 +551,7 @@ class SchedulerActor(Actor):
         await self.send_control(ActorFailed("worker-0", reason))
 
     async def on_peer_restarting(self, name: str, reason: str) -> None:
-        if name == "workers":
+        if name == "workers" + engine_suffix(self.config.data_parallel_rank):  # this engine's ranks
             self.lost.set()
             self.interrupt.set()
             self._work.set()
@@ -552,7 +559,7 @@ class SchedulerActor(Actor):
             self.proposals.drafter_restarting()
 
     async def on_peer_restarted(self, name: str, seconds: float, info: dict) -> None:
-        if name == "workers":
+        if name == "workers" + engine_suffix(self.config.data_parallel_rank):
             self._restored_info = info
             self.restored.set()
         elif name == "drafter" and self.proposals is not None:

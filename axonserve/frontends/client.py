@@ -28,7 +28,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from axonserve.actors.runtime import bus_socket
+from axonserve.actors.runtime import attach, bus_socket
 from axonserve.frontends.detokenizer import IncrementalDetokenizer
 from axonserve.frontends.tokenizer import Tokenizer
 from axonserve.multimodal.frontend import PromptImages
@@ -198,8 +198,8 @@ class AsyncEngineClient:
         sock.setsockopt(zmq.LINGER, 1000)  # let final aborts leave on close
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
-        sock.connect(address)
         try:
+            attach(sock, address)  # a CURVE client on tcp:// (BusKeysMissing without keys)
             info = await asyncio.wait_for(_fetch_info(sock), timeout)
             if early is not None and info.model == model_hint:
                 tokenizer = await early
@@ -265,15 +265,8 @@ class AsyncEngineClient:
         generation each, `request_id` (`<request_id>-p<j>` with several prompts). `images`: one prompt's."""
         if self.dead:
             raise EngineDeadError(self.dead_reason or "engine is dead")
-        fanout = self.info.limits.max_fanout
-        if len(prompts) * params.n > fanout:
-            raise ParamError(
-                "n" if len(prompts) == 1 else "prompt",
-                f"a request may start at most {fanout} generations (prompts x n); "
-                f"this one asks for {len(prompts)} x {params.n}",
-            )
-        subs = [self._fan_out(ids, params) for ids in prompts]
-        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-p{j}" for j in range(len(prompts))]
+        ids = batch_ids(self.info, len(prompts), params.n, request_id)
+        subs = [self._fan_out(p, params) for p in prompts]
         for rid in ids:
             self._refuse_in_flight(rid)
         return [self._stream(rid, p, s, images if len(prompts) == 1 else None) for rid, p, s in zip(ids, prompts, subs)]
@@ -428,6 +421,10 @@ class AsyncEngineClient:
             await self._send(AbortRequest(ids))
 
     # ------------------------------------------------------------------ scheduler restarts
+
+    def for_scheduler(self, name: str) -> "AsyncEngineClient":
+        """The client of the engine scheduler `name` drives: this one (see dp_client.py)."""
+        return self
 
     def suspend(self, reason: str) -> None:
         """The scheduler died and is being replaced: streams wait (new requests are held, the
@@ -625,6 +622,18 @@ class AsyncEngineClient:
                 if not self._unresponsive:
                     self.fail_all(f"engine unresponsive: no reply to a ping within {self._ping_timeout:.0f}s")
                     self._unresponsive = True
+
+
+def batch_ids(info: EngineInfo, num_prompts: int, n: int, request_id: str) -> list[str]:
+    """The ids of a completions batch's generations (`<request_id>-p<j>` with several prompts), once
+    prompts x n is within the engine's fan-out bound (ParamError otherwise)."""
+    fanout = info.limits.max_fanout
+    if num_prompts * n > fanout:
+        raise ParamError(
+            "n" if num_prompts == 1 else "prompt",
+            f"a request may start at most {fanout} generations (prompts x n); this one asks for {num_prompts} x {n}",
+        )
+    return [request_id] if num_prompts == 1 else [f"{request_id}-p{j}" for j in range(num_prompts)]
 
 
 def _engine_ids(request_id: str, n: int) -> list[str]:

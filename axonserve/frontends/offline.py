@@ -88,7 +88,13 @@ class LLM:
         try:
             self._call(self._sup.start())
             self._watch = asyncio.run_coroutine_threadsafe(self._sup.wait(), self._loop)
-            self._client = self._call(AsyncEngineClient.connect(self._sup.addresses.engine))
+            engines = self._sup.addresses.engines or [self._sup.addresses.engine]
+            if len(engines) > 1:  # data parallel
+                from axonserve.frontends.dp_client import DataParallelClient
+
+                self._client = self._call(DataParallelClient.connect(engines))
+            else:
+                self._client = self._call(AsyncEngineClient.connect(engines[0]))
         except BaseException:
             self.shutdown()
             raise
@@ -98,13 +104,13 @@ class LLM:
         """A replaced scheduler: generations wait, then resume on the new one (supervisor.py)."""
         from axonserve.protocol.messages import ActorRestarted, ActorRestarting
 
-        client = getattr(self, "_client", None)
-        if client is None or getattr(msg, "name", "") != "scheduler":
+        client, name = getattr(self, "_client", None), getattr(msg, "name", "")
+        if client is None or not name.startswith("scheduler"):
             return
         if isinstance(msg, ActorRestarting):
-            client.suspend(f"scheduler restarting: {msg.reason}")
+            client.for_scheduler(name).suspend(f"{name} restarting: {msg.reason}")
         elif isinstance(msg, ActorRestarted):
-            await client.resume()
+            await client.for_scheduler(name).resume()
 
     def _call(self, coro: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)

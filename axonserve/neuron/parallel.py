@@ -69,18 +69,21 @@ def init_process_group(rank: int, size: int, init_method: str) -> None:
     """Join the gloo group whose rendezvous is `init_method` (tcp://host:port), listening only
     on `host`'s address: torch's own TCPStore server listens on every interface whatever host
     it is given, and gloo on the address the machine's hostname resolves to. Here rank 0 binds
-    the store's socket itself (to host, and hands it to the TCPStore), and with a loopback host
-    gloo is pinned to the loopback interface (GLOO_SOCKET_IFNAME, unless already set): nothing
-    off the machine can reach either. A multi-host group names a routable host in init_method
-    (and the interface in GLOO_SOCKET_IFNAME)."""
+    the store's socket itself (to host, and hands it to the TCPStore), and when host is an
+    address of this machine gloo is pinned to the interface that holds it (GLOO_SOCKET_IFNAME,
+    unless already set): the loopback by default, so nothing off the machine can reach either;
+    a tcp bus's host (`--bus-host`) otherwise, so they listen on that network only, not on every
+    interface. A rank on another machine than host keeps gloo's default (or GLOO_SOCKET_IFNAME).
+    Neither the store nor gloo is authenticated: a bus host off the loopback belongs on a
+    trusted network."""
     url = urlsplit(init_method)
     if url.scheme != "tcp" or not url.hostname or not url.port:
         raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
     host, port = url.hostname, url.port
-    if _is_loopback(host):
-        lo = _loopback_interface()
-        if lo and not os.environ.get("GLOO_SOCKET_IFNAME"):
-            os.environ["GLOO_SOCKET_IFNAME"] = lo
+    if not os.environ.get("GLOO_SOCKET_IFNAME"):
+        iface = _loopback_interface() if _is_loopback(host) else interface_of(host)
+        if iface:
+            os.environ["GLOO_SOCKET_IFNAME"] = iface
     timeout = dist.default_pg_timeout  # the rendezvous: ranks may start far apart under load
     if rank == 0:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -112,6 +115,35 @@ def _loopback_interface() -> str | None:
     """The loopback interface's name ("lo" on Linux), if the machine has one by that name."""
     names = {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
     return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def interface_of(host: str) -> str | None:
+    """The name of this machine's network interface that holds the IP address `host`, or None
+    (not an address of this machine, or not an IP address)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if ip.version == 6:
+        try:
+            with open("/proc/net/if_inet6") as f:  # address (32 hex digits), index, prefix, scope, flags, name
+                rows = [line.split() for line in f]
+        except OSError:
+            return None
+        return next((row[5] for row in rows if len(row) == 6 and row[0] == ip.exploded.replace(":", "")), None)
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                req = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on this interface
+                continue
+            if socket.inet_ntoa(req[20:24]) == str(ip):
+                return name
+    return None
 
 
 def set_collective_timeout(seconds: float) -> None:

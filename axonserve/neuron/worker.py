@@ -18,7 +18,7 @@ import os
 
 import zmq
 
-from axonserve.actors.runtime import Actor, bus_socket, data_message_bytes
+from axonserve.actors.runtime import Actor, attach, bus_socket, data_message_bytes
 from axonserve.neuron.heap import collapse_huge_pages, keep_heap
 from axonserve.protocol import Codec
 from axonserve.protocol.messages import ProfileAck, ProfileCommand, StepPlan
@@ -69,7 +69,7 @@ class WorkerActor(Actor):
             )
             self.snap_sock.setsockopt(zmq.SNDHWM, QUEUE)
             self.snap_sock.setsockopt(zmq.LINGER, 2000)  # records of the last steps still leave
-            self.snap_sock.connect(self.addresses.snapshot)
+            attach(self.snap_sock, self.addresses.snapshot)
         return {
             "num_kv_blocks": r.num_kv_blocks,
             "max_model_len": r.max_model_len,

@@ -529,6 +529,7 @@ class StepStats(_Msg, tag=40):
     prefill_kv_lens: list[int] = []
     decode_query_lens: list[int] = []
     decode_kv_lens: list[int] = []
+    engine: int = 0  # the data-parallel engine it is from (set when published: SchedulerActor.publish)
 
 
 class RequestStats(_Msg, tag=41):
@@ -543,6 +544,7 @@ class RequestStats(_Msg, tag=41):
     prefill_s: float = 0.0
     decode_s: float = 0.0
     max_tokens: int = 0
+    engine: int = 0  # the data-parallel engine it is from (set when published: SchedulerActor.publish)
 
 
 class ActorAlive(_Msg, tag=42):
@@ -653,6 +655,7 @@ class CompileStats(_Msg, tag=46):
 
     seconds: list[float] = []
     cache_hits: int = 0
+    engine: int = 0  # the data-parallel engine it is from (set when published: SchedulerActor.publish)
 
 
 class BucketInfo(_Msg, tag=47):
@@ -667,6 +670,7 @@ class BucketInfo(_Msg, tag=47):
     context_len: list[int] = []
     decode_batch: list[int] = []
     decode_len: list[int] = []
+    engine: int = 0  # the data-parallel engine it is from (set when published: SchedulerActor.publish)
 
 
 StatsEvent = Union[StepStats, RequestStats, ActorAlive, EncoderStats, CompileStats, BucketInfo, RestartStats]

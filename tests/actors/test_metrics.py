@@ -42,7 +42,8 @@ def parse(text: str) -> dict[str, float]:
     out = {}
     for fam in text_string_to_metric_families(text):
         for smp in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(smp.labels.items()) if k != "model_name")
+            # (engine="0": the one engine of these tests; data parallel runs are in test_data_parallel.py)
+            labels = ",".join(f"{k}={v}" for k, v in sorted(smp.labels.items()) if k not in ("model_name", "engine"))
             out[f"{smp.name}{{{labels}}}"] = smp.value
     return out
 

@@ -33,7 +33,8 @@ def actor_pid(group: int, kind: str) -> int:
 
 @pytest.mark.parametrize("victim", ["worker", "scheduler"])
 async def test_actor_death_fails_in_flight_requests(tiny_llama_dir, victim):
-    with serve(tiny_llama_dir, "--max-num-seqs", "4", "--num-kv-blocks", "1024") as srv:
+    # fail-stop (--max-restarts 0): healing is tests/integration/test_self_healing.py's
+    with serve(tiny_llama_dir, "--max-num-seqs", "4", "--num-kv-blocks", "1024", "--max-restarts", "0") as srv:
         body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}
         async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as h:
             plain = asyncio.create_task(h.post("/v1/completions", json=body))

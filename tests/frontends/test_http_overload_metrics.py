@@ -58,11 +58,11 @@ def test_metrics_route_serves_prometheus_text(tiny_llama_dir):
             while True:
                 m = http.get("/metrics")
                 assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
-                if 'vllm:generation_tokens_total{model_name="tiny"} 5.0' in m.text:
+                if 'vllm:generation_tokens_total{engine="0",model_name="tiny"} 5.0' in m.text:  # (vLLM's labels)
                     break
                 assert time.monotonic() < deadline, m.text[-2000:]
                 time.sleep(0.2)
-            assert 'vllm:request_success_total{finished_reason="length",model_name="tiny"} 1.0' in m.text
+            assert 'vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"} 1.0' in m.text
 
 
 @pytest.mark.timeout(120)

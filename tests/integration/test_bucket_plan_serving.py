@@ -63,7 +63,7 @@ def test_plan_from_served_traffic_and_serve_with_it(tiny_llama_dir, tmp_path):
         info = buckets_info(srv.base_url)
         assert info["decode_len"] == "128,256,512" and info["max_model_len"] == "512"
         metrics = httpx.get(srv.base_url + "/metrics").text
-        assert 'axonserve:xla_compiles_total{model_name="tiny"} 0.0' in metrics  # exported, none on CPU
+        assert 'axonserve:xla_compiles_total{engine="0",model_name="tiny"} 0.0' in metrics  # exported, none on CPU
         cmd = [sys.executable, "-m", "axonserve.cli", "buckets", "plan", "--from-metrics", srv.base_url]
         cmd += ["--save-json", str(traffic_file), "--out", str(bucket_file)]
         run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)

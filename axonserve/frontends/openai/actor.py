@@ -17,6 +17,7 @@ import zmq
 
 from axonserve.actors.runtime import SMALL_MESSAGE_BYTES, Actor
 from axonserve.frontends.client import AsyncEngineClient
+from axonserve.frontends.dp_client import DataParallelClient
 from axonserve.frontends.openai.server import build_app
 from axonserve.protocol import Codec
 from axonserve.protocol.messages import GetMetrics, MetricsText, RestartStats
@@ -35,14 +36,17 @@ class _Server(uvicorn.Server):
 class FrontendActor(Actor):
     kind = "frontend"
 
-    client: AsyncEngineClient | None = None
+    client: AsyncEngineClient | DataParallelClient | None = None
     _server: _Server | None = None
     _serve_task: asyncio.Task[None] | None = None
 
     async def setup(self) -> dict[str, Any]:
-        self.client = await AsyncEngineClient.connect(
-            self.addresses.engine, timeout=self.config.ready_timeout_s, model_hint=self.config.model
-        )
+        engines = self.addresses.engines or [self.addresses.engine]
+        kw = dict(timeout=self.config.ready_timeout_s, model_hint=self.config.model)
+        if len(engines) > 1:  # data parallel: one client per engine, each request routed to one
+            self.client = await DataParallelClient.connect(engines, **kw)
+        else:
+            self.client = await AsyncEngineClient.connect(engines[0], **kw)
         self._metrics_sock = self.socket(zmq.DEALER, self.addresses.metrics, max_bytes=SMALL_MESSAGE_BYTES)
         self._metrics_lock = asyncio.Lock()
         self.app = build_app(self.client, self.config, metrics=self._fetch_metrics)
@@ -96,14 +100,14 @@ class FrontendActor(Actor):
         """/health turns 503 until the replacement is ready; a scheduler's clients wait for it."""
         if getattr(self, "app", None) is not None:
             self.app.state.restarting[name] = reason
-        if name == "scheduler" and self.client is not None:
-            self.client.suspend(f"{name} restarting: {reason}")
+        if name.startswith("scheduler") and self.client is not None:
+            self.client.for_scheduler(name).suspend(f"{name} restarting: {reason}")
 
     async def on_peer_restarted(self, name: str, seconds: float, info: dict) -> None:
         if getattr(self, "app", None) is not None:
             self.app.state.restarting.pop(name, None)
-        if name == "scheduler" and self.client is not None:
-            n = await self.client.resume()
+        if name.startswith("scheduler") and self.client is not None:
+            n = await self.client.for_scheduler(name).resume()
             self.publish(RestartStats(actor="", seconds=0.0, requests_resumed=n))
 
     async def teardown(self) -> None:

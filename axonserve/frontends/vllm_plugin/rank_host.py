@@ -26,7 +26,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from axonserve.actors.runtime import SMALL_MESSAGE_BYTES, bus_socket
+from axonserve.actors.runtime import SMALL_MESSAGE_BYTES, attach, bus_socket
 from axonserve.actors.supervisor import StartupError, Supervisor
 from axonserve.config import EngineConfig
 from axonserve.logs import setup_logging
@@ -41,7 +41,7 @@ async def host(config: EngineConfig, status_address: str, lifeline_fd: int) -> i
     ctx = zmq.asyncio.Context()
     status = bus_socket(ctx, zmq.PUSH, SMALL_MESSAGE_BYTES)
     status.setsockopt(zmq.LINGER, 2000)
-    status.connect(status_address)
+    attach(status, status_address)
 
     async def report(msg) -> None:
         await status.send_multipart(Codec.encode(msg))

@@ -31,7 +31,8 @@ import msgspec
 import structlog
 import zmq
 
-from axonserve.actors.runtime import SMALL_MESSAGE_BYTES, bus_socket, data_message_bytes
+from axonserve.actors.runtime import SMALL_MESSAGE_BYTES, attach, bus_socket, data_message_bytes
+from axonserve.actors.security import release
 from axonserve.config import EngineConfig
 from axonserve.protocol import Codec, Control, DecodeError
 from axonserve.protocol.messages import ActorFailed, Hello, ProfileAck, Ready, StepResult
@@ -133,6 +134,7 @@ class RankGroup:
                 pass
         if self._monitor is not None:
             self._monitor.join(5)
+        release(self.ctx)
         self.ctx.destroy(linger=0)
         shutil.rmtree(self.run_dir, ignore_errors=True)
         log.info("vllm_plugin.ranks_stopped", reason=reason)
@@ -177,7 +179,7 @@ class RankGroup:
             s.setsockopt(zmq.SNDHWM, 0)
         else:
             s.setsockopt(zmq.RCVHWM, 0)
-        s.bind(address)
+        attach(s, address, bind=True)  # a tcp bus needs its keys here too (BusKeysMissing otherwise)
         return s
 
     def _spawn_host(self) -> None:
