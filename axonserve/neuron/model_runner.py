@@ -96,7 +96,14 @@ class ModelRunner:
         self.config, self.rank = config, rank
         self.dtype = DTYPES[config.dtype]
         cores = len(os.sched_getaffinity(0))
-        torch.set_num_threads(config.threads or max(1, cores // config.num_workers))
+        # every rank of every data-parallel engine on this machine shares its cores (2 engines of 2
+        # threads each on 2 cores ran 7x slower than one engine: OpenMP teams fighting for cores);
+        # a Ray rank gets its bundle's CPUs
+        if config.distributed_executor_backend == "ray":
+            threads = max(1, int(config.ray_cpus_per_worker))
+        else:
+            threads = max(1, cores // (config.num_workers * config.data_parallel_size))
+        torch.set_num_threads(config.threads or threads)
         torch.manual_seed(config.seed)
         init_tensor_parallel(
             rank,

@@ -53,7 +53,7 @@ def test_two_engines_parity_spread_affinity_and_isolation(tiny_llama_dir):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     want = [tok.decode(hf_greedy(model, tok.encode(p), N)) for p in prompts]
-    args = ("--served-model-name", "tiny", "--num-kv-blocks", "256", "--max-model-len", "256", "-dp", "2")
+    args = ("--served-model-name", "tiny", "--num-kv-blocks", "256", "--max-model-len", "512", "-dp", "2")
     with serve(tiny_llama_dir, *args) as srv:
         sid = srv.proc.pid
         assert set(worker_pids(sid)) == {"worker-0", "worker-0-dp1"}

@@ -90,7 +90,7 @@ def test_tp2_ranks_on_two_nodes_parity_healing_and_cleanup(ray_cluster, tiny_lla
     address = ray_cluster.address
     want = reference(tiny_llama_dir)
     args = (
-        "--served-model-name", "tiny", "--num-kv-blocks", "256", "--max-model-len", "256",
+        "--served-model-name", "tiny", "--num-kv-blocks", "256", "--max-model-len", "512",
         "--distributed-executor-backend", "ray", "-tp", "2",
         "--ray-placement-strategy", "STRICT_SPREAD", "--ray-cpus-per-worker", "1",
     )  # fmt: skip
