@@ -110,7 +110,6 @@ class SchedulerActor(Actor):
         # the worker ranks died or hung: the supervisor replaces them (`on_peer_restarting`);
         # `interrupt` ends any wait on them (set on death too)
         self.lost, self.restored, self.interrupt = asyncio.Event(), asyncio.Event(), asyncio.Event()
-        self._restored_info: dict = {}
         self._work = asyncio.Event()
         self.clients: set[bytes] = set()
         self._owner: dict[str, bytes] = {}  # request id -> client identity
@@ -560,7 +559,6 @@ class SchedulerActor(Actor):
 
     async def on_peer_restarted(self, name: str, seconds: float, info: dict) -> None:
         if name == "workers" + engine_suffix(self.config.data_parallel_rank):
-            self._restored_info = info
             self.restored.set()
         elif name == "drafter" and self.proposals is not None:
             self.proposals.drafter_restarted()
