@@ -787,3 +787,40 @@ def test_eagle_speculation_stops_above_disable_by_batch_size():
     p = s.schedule()
     assert p.want_features and sorted(p.num_drafts) == [f"r{i}" for i in range(8)]
     assert set(p.num_drafts.values()) == {2}
+
+
+def test_resumed_request_outputs_are_checked_like_a_prompt():
+    """AddRequest.output_token_ids (a client resuming after a scheduler restart) is hostile input too:
+    ids outside the vocabulary, nothing left to generate, or more KV than the pool are refused."""
+    s = make(num_blocks=8)
+    bad = req("a", 4)
+    bad.token_ids += [5, 100]  # 100: outside the vocabulary of 100
+    assert "outside the vocabulary" in s.check(bad)
+    done = req("b", 4, max_tokens=3)
+    done.token_ids += [5, 6, 7]  # all 3 outputs already there
+    assert "nothing left to generate" in s.check(done)
+    big = req("c", 4, max_tokens=100)
+    big.token_ids += [5] * 40  # 44 tokens + 1 > 8 blocks of 4
+    assert "KV blocks" in s.check(big)
+    ok = req("d", 4)
+    ok.token_ids += [5, 6]
+    assert s.check(ok) is None and ok.num_output_tokens == 2
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_restarts", -1),
+        ("restart_window_s", 0),
+        ("data_parallel_size", 0),
+        ("distributed_executor_backend", "slurm"),
+        ("ray_placement_strategy", "RANDOM"),
+        ("heartbeat_timeout_s", -1),
+        ("step_timeout_s", 0),
+    ],
+)
+def test_scale_out_and_healing_settings_refuse_junk(tiny_llama_dir, field, value):
+    from axonserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match=field.split("_s")[0] if field.endswith("_s") else field):
+        EngineConfig(model=tiny_llama_dir, **{field: value})
