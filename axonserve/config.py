@@ -160,8 +160,8 @@ class RequestLimits(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unk
         return self
 
 
-QUANTIZATIONS = ("int8", "int4")  # weight-only formats (neuron/layers/quant.py)
-KV_CACHE_DTYPES = ("auto", "int8")
+QUANTIZATIONS = ("int8", "int4", "fp8")  # weight formats (neuron/layers/quant.py)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names; fp8 = fp8_e4m3
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -207,6 +207,16 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # float32 scale per (token, KV head), half the bytes a decode step's attention reads
     kv_cache_dtype: str = "auto"
     num_workers: int = 1  # worker ranks (tensor parallel) of one engine
+    # sequence parallelism over the tensor-parallel ranks (NxDI's): norms and residuals sharded along
+    # tokens, all-gather before attention and the MLP, reduce-scatter after (neuron/parallel.py)
+    sequence_parallel: bool = False
+    # multi-LoRA serving (axonserve/lora), vLLM's flags: adapters selected per request by model name
+    enable_lora: bool = False
+    lora_modules: list[str] = []  # name=path (PEFT directories) served from the start
+    max_loras: int = 1  # adapters one step may hold (the ranks' adapter slots)
+    max_lora_rank: int = 16  # adapters of a higher rank are refused
+    max_cpu_loras: int = 0  # adapters kept loaded in host memory (LRU); 0: max_loras
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
     # data parallelism: N independent engines (scheduler + num_workers ranks each) behind one frontend,
     # whose client routes each request (frontends/dp_client.py); this engine's index among them
     data_parallel_size: int = 1

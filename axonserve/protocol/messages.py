@@ -202,6 +202,15 @@ class KVBlocks(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str = ""
 
 
+class LoraSpec(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The LoRA adapter a request runs with (axonserve/lora): `lora_id` is unique per loaded
+    adapter for the engine's lifetime (a reloaded name gets a new id), `path` its PEFT directory."""
+
+    name: str
+    lora_id: int
+    path: str
+
+
 class AddRequest(_Msg, tag=1):
     request_id: str
     prompt_token_ids: list[int]
@@ -214,6 +223,7 @@ class AddRequest(_Msg, tag=1):
     # a request resumed after a scheduler restart (frontends/client.py): the tokens it had already
     # generated, which count as its outputs (max_tokens, min_tokens, penalties, seeded positions)
     output_token_ids: list[int] = []
+    lora: LoraSpec | None = None  # run with this LoRA adapter (None: the base model)
 
 
 class AbortRequest(_Msg, tag=2):
@@ -325,6 +335,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     mm: MultiModalInput | None = None  # its frames are extra frames of the StepPlan
     kv_export: bool = False  # P/D prefill: export the prompt's KV when the first token is sampled
     kv: KVBlocks | None = None  # P/D decode: the prompt's KV to import (extra frames of the StepPlan)
+    lora: LoraSpec | None = None  # the request's LoRA adapter (None: the base model)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
