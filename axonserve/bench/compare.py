@@ -1,4 +1,5 @@
-"""`bench compare`: axonserve and each available peer on the same model, same load, one run.
+"""`bench compare`: axonserve and each available peer on the same model, same load; one run, or
+`--repeat N` interleaved rounds reported as medians with their range (bench/repeat.py).
 
 Servers run one at a time (own port, own process group), each warmed up before the measured
 levels, and are stopped before the next starts, so they never compete for the cores. The
@@ -292,7 +293,12 @@ def cmd_compare(a: argparse.Namespace) -> int:
     specs, skipped = build_specs(a, model_dir, gguf, max(c or 1 for c in concs))
     for msg in skipped:
         print(f"skipping {msg}", flush=True)
+    if a.repeat < 1:
+        print("--repeat must be >= 1", file=sys.stderr)
+        return 2
     t0 = time.monotonic()
+    if a.repeat > 1:
+        return _compare_rounds(a, specs, skipped, work, opts, tok, model_dir, gguf, t0)
     engines = [run_server(s, work, opts, tok, a.keep_logs) for s in specs]
     if "transformers" in a.engines.split(","):
         engines.append(run_transformers(model_dir, work, concs, tok, a.start_timeout or 1800))
@@ -321,6 +327,44 @@ def cmd_compare(a: argparse.Namespace) -> int:
     return 0 if all(not e.get("error") for e in engines) else 1
 
 
+def _compare_rounds(a, specs, skipped, work, opts, tok, model_dir, gguf, t0) -> int:
+    """`--repeat N`: N interleaved rounds (bench/repeat.py); medians with their range."""
+    from axonserve.bench.repeat import aggregate, machine_probe, repeat_table, round_order
+
+    by_name = {s.name: s for s in specs}
+    rounds, probes = [], []
+    for r in range(a.repeat):
+        probes.append(machine_probe())
+        print(f"\n## round {r + 1}/{a.repeat}: machine {probes[-1]}", flush=True)
+        rounds.append([run_server(by_name[n], work, opts, tok, a.keep_logs) for n in round_order(list(by_name), r)])
+    rows = aggregate(rounds)
+    text = repeat_table(rows, probes)
+    print(
+        f"\n## bench compare x{a.repeat} (interleaved): {os.path.basename(model_dir)}, input {a.input_len} / output "
+        f"{a.output_len} tokens, {a.prompt_kind} prompts, {time.monotonic() - t0:.0f} s total; "
+        "median [min, max] over rounds\n"
+    )
+    print(text)
+    for msg in skipped:
+        print(f"- skipped {msg}")
+    doc = {
+        "kind": "compare-repeat",
+        "meta": metadata(a),
+        "model_dir": model_dir,
+        "gguf": gguf,
+        "skipped": skipped,
+        "probes": probes,
+        "rows": rows,
+        "engines": [
+            {k: v for k, v in e.items() if k != "runs"} | {"round": i} for i, es in enumerate(rounds) for e in es
+        ],
+        "runs": [dict(run, round=i) for i, es in enumerate(rounds) for e in es for run in e["runs"]],
+        "table": text,
+    }
+    write_outputs(doc, a.out, a.plot, f"bench compare x{a.repeat}: {os.path.basename(model_dir)}")
+    return 0 if all(not e.get("error") for es in rounds for e in es) else 1
+
+
 def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="axonserve model spec (default: SmolLM2-135M-Instruct)")
     p.add_argument("--gguf", default=None, help="GGUF of the same model for llama.cpp")
@@ -341,5 +385,11 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--extra-body", default=None, help="JSON merged into every request body")
     p.add_argument("--start-timeout", type=float, default=None, help="seconds to wait for health")
     p.add_argument("--keep-logs", action="store_true", help="keep server logs even on success")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds, engines interleaved (A B, B A, ...), each after a machine probe; figures as median [min, max]",
+    )
     add_workload_args(p)
     p.set_defaults(func=cmd_compare, prompt_kind="text", concurrency="1,32")
