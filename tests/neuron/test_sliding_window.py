@@ -1,0 +1,131 @@
+"""Sliding-window attention (ops/window.py, the native kernel's window argument) against a dense
+per-sequence reference with transformers' rule (a query at p sees keys p - window < k <= p).
+
+The blocks wholly before a sequence's window are filled with NaN, as if given back to the pool and
+reused: any path that read them, masked or not, would return NaN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from axonserve.neuron.ops import attention, native
+from axonserve.neuron.ops.attention import AttentionMetadata, build_static, paged_attention
+
+from .test_attention import random_block_tables
+
+K = native.kernels()
+DTYPES = [torch.float32, torch.bfloat16]
+# (query_len, context_len): decodes (inside, at and far past the window), short equal chunks with a
+# context (one batched call), prefill chunks with a context, first chunks shorter and longer than it
+SEQS = [(1, 0), (1, 9), (1, 10), (1, 47), (1, 300), (4, 5), (4, 30), (4, 61), (20, 50), (7, 3), (25, 0), (6, 0)]
+
+
+def _dense(q, k_cache, v_cache, seqs, tables, bs, scale, window):
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    hq, out, row = q.shape[1], [], 0
+    for (qn, ctx), table in zip(seqs, tables):
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(ctx + qn)])
+        keys = k_cache.view(-1, hkv, d)[slots].float().repeat_interleave(hq // hkv, dim=1)
+        vals = v_cache.view(-1, hkv, d)[slots].float().repeat_interleave(hq // hkv, dim=1)
+        kpos, qpos = torch.arange(ctx + qn)[None, :], (ctx + torch.arange(qn))[:, None]
+        seen = (kpos <= qpos) & (kpos > qpos - window)
+        keys, vals = keys.nan_to_num(0.0), vals.nan_to_num(0.0)  # (NaN only where `seen` is false)
+        scores = torch.einsum("qhd,khd->hqk", q[row : row + qn].float(), keys) * scale
+        out.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1), vals))
+        row += qn
+    return torch.cat(out)
+
+
+def _poison_outside(cache, seqs, tables, bs, window):
+    """NaN into every block no query of its sequence can see (as a freed, reused block)."""
+    for (_, ctx), table in zip(seqs, tables):
+        for b in range(max(ctx - window + 1, 0) // bs):
+            cache[table[b]] = float("nan")
+
+
+def _case(dtype, head_dim, window, bs=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    blocks, hkv, hq = 512, 2, 6
+    k_cache = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(dtype)
+    tables = random_block_tables(SEQS, bs, blocks, g)
+    for c in (k_cache, v_cache):
+        _poison_outside(c, SEQS, tables, bs, window)
+    t = sum(q for q, _ in SEQS)
+    q, k, v = (torch.randn(t, h, head_dim, generator=g).to(dtype) for h in (hq, hkv, hkv))
+    return k_cache, v_cache, tables, q, k, v
+
+
+def _tol(dtype):
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1.6e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("window", [10, 16, 1])
+def test_torch_paths_attend_within_the_window(window):
+    k_cache, v_cache, tables, q, k, v = _case(torch.float32, 8, window)
+    meta = AttentionMetadata.build([q for q, _ in SEQS], [c for _, c in SEQS], tables, 4)
+    wmeta = meta.for_window(window)
+    assert wmeta is meta.for_window(window) and meta.for_window(None) is meta  # built once per step
+    assert wmeta.num_decodes == 5 and wmeta.short[0] == 3 and wmeta.window == window
+    out = paged_attention(q, k, v, k_cache, v_cache, wmeta, 8**-0.5)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, _dense(q, k_cache, v_cache, SEQS, tables, 4, 8**-0.5, window), **_tol(torch.float32))
+
+
+@pytest.mark.skipif(K is None, reason="native kernels unavailable (no compiler)")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 24])  # vector path, scalar path
+@pytest.mark.parametrize("window", [10, 16, 1])
+def test_native_kernel_skips_keys_outside_the_window(dtype, head_dim, window, monkeypatch):
+    """Every row through the kernel (and, as served, the long chunks through SDPA)."""
+    k_cache, v_cache, tables, q, k, v = _case(dtype, head_dim, window)
+    args = ([q for q, _ in SEQS], [c for _, c in SEQS], tables, 4)
+    slots = AttentionMetadata.build(*args).slot_mapping  # the step's own K/V first, as paged_attention does
+    k_cache.view(-1, 2, head_dim).index_copy_(0, slots, k)
+    v_cache.view(-1, 2, head_dim).index_copy_(0, slots, v)
+    ref = _dense(q, k_cache, v_cache, SEQS, tables, 4, head_dim**-0.5, window).to(dtype)
+    for limit in (10**9, 16):  # all rows native; chunks of 16+ tokens through the windowed SDPA masks
+        monkeypatch.setattr(attention, "NATIVE_MAX_QUERY", limit)
+        meta = AttentionMetadata.build(*args, native=K).for_window(window)
+        out = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, head_dim**-0.5)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, ref, **_tol(dtype))
+
+
+@pytest.mark.skipif(K is None, reason="native kernels unavailable (no compiler)")
+def test_native_kernel_without_window_is_unchanged():
+    """window=0 is the full-attention kernel, bit for bit, on the multi-threaded split too."""
+    g = torch.Generator().manual_seed(5)
+    seqs = [(1, 700)] * 6 + [(1, 40)]
+    tables = random_block_tables(seqs, 16, 512, g)
+    kc, vc = (torch.randn(512, 16, 2, 64, generator=g) for _ in range(2))
+    q = torch.randn(len(seqs), 8, 64, generator=g)
+    meta = AttentionMetadata.build([1] * len(seqs), [c for _, c in seqs], tables, 16, native=K)
+    a, b = torch.empty_like(q), torch.empty_like(q)
+    common = (kc, vc, meta.native_block_table, meta.native_row_seq, meta.native_row_kv_len, 0.125)
+    K.paged_attention(a, q, *common)
+    K.paged_attention(b, q, *common, window=0)
+    assert torch.equal(a, b)
+    K.paged_attention(b, q, *common, window=10**6)  # a window longer than every row: all keys
+    assert torch.equal(a, b)
+
+
+def test_bucketed_steps_mask_the_window():
+    """build_static (bucketing mode): padded shapes, the window as a mask only."""
+    g = torch.Generator().manual_seed(7)
+    bs, window, hkv, hq, d = 4, 10, 2, 4, 8
+    seqs = [(6, 20), (5, 0)]
+    tables = random_block_tables(seqs, bs, 64, g)
+    kc, vc = (torch.randn(65, bs, hkv, d, generator=g) for _ in range(2))
+    meta, src, last = build_static([6, 5], [20, 0], tables, bs, ("prefill", 2, 8, 32), pad_block=64)
+    wmeta = meta.for_window(window)
+    qp = torch.randn(16, hq, d, generator=g)
+    kp, vp = torch.randn(16, hkv, d, generator=g), torch.randn(16, hkv, d, generator=g)
+    out = paged_attention(qp, kp, vp, kc, vc, wmeta, d**-0.5)
+    rows = torch.tensor([r for r in range(16) if src[r] >= 0])
+    q, k, v = qp[rows], kp[rows], vp[rows]
+    kc2, vc2 = kc.clone(), vc.clone()
+    ref_meta = AttentionMetadata.build([6, 5], [20, 0], tables, bs).for_window(window)
+    ref = paged_attention(q, k, v, kc2, vc2, ref_meta, d**-0.5)
+    torch.testing.assert_close(out[rows], ref, atol=1e-5, rtol=1e-5)
