@@ -129,3 +129,52 @@ def test_bucketed_steps_mask_the_window():
     ref_meta = AttentionMetadata.build([6, 5], [20, 0], tables, bs).for_window(window)
     ref = paged_attention(q, k, v, kc2, vc2, ref_meta, d**-0.5)
     torch.testing.assert_close(out[rows], ref, atol=1e-5, rtol=1e-5)
+
+
+# tiny sliding-window models: every layer slides (Mistral, Qwen2), mixed full / sliding layers by
+# max_window_layers (Qwen2) and by layer_types (Qwen3)
+SWA_CASES = {
+    "mistral": ("MistralForCausalLM", {"sliding_window": 16}),
+    "qwen2": ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}),
+    "qwen2-mixed": ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}),
+    "qwen3-mixed": (
+        "Qwen3ForCausalLM",
+        {"use_sliding_window": True, "sliding_window": 12, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(SWA_CASES))
+def swa_dir(request, tmp_path_factory) -> str:
+    from conftest import make_tiny_model
+
+    arch, overrides = SWA_CASES[request.param]
+    return make_tiny_model(str(tmp_path_factory.mktemp(request.param)), arch, **overrides)
+
+
+@pytest.mark.parametrize("path", ["torch", "native", "fused"])
+def test_model_logits_past_the_window_match_transformers(swa_dir, path, monkeypatch):
+    """Logits at every position of a prompt ~4x the window, prefilled whole (a first chunk longer
+    than the window), in chunks that start past it, and token by token, against transformers'
+    eager attention (its sliding_window_causal mask)."""
+    from transformers import AutoModelForCausalLM
+
+    from axonserve.neuron.config import ModelConfig
+
+    from .conftest import make_runner, runner_logits
+
+    mc = ModelConfig.from_dir(swa_dir)
+    assert mc.sliding_window in (12, 16) and mc.max_model_len_for(None) == 512  # no longer capped at the window
+    if path != "torch" and K is None:
+        pytest.skip("native kernels unavailable")
+    monkeypatch.setenv("AXONSERVE_FUSED", "1" if path == "fused" else "0")
+    runner = make_runner(swa_dir)
+    assert [layer.self_attn.window for layer in runner.model.model.layers] == mc.layer_windows
+    if path == "torch":
+        runner.native = None
+    ids = torch.randint(0, 1024, (60,), generator=torch.Generator().manual_seed(4)).tolist()
+    hf = AutoModelForCausalLM.from_pretrained(swa_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    for chunks in ([60], [20, 9, 1, 1, 29], [30] + [1] * 30):
+        torch.testing.assert_close(runner_logits(runner, ids, chunks), ref, atol=1e-4, rtol=1e-4)
