@@ -25,6 +25,7 @@ import structlog
 import torch
 
 from axonserve.config import EngineConfig
+from axonserve.engine import sliding_window
 from axonserve.engine.buckets import BucketConfig
 from axonserve.multimodal.worker import ImageEncoderCache, RequestImages, batch_rows
 from axonserve.neuron.config import ModelConfig
@@ -113,6 +114,8 @@ class ModelRunner:
             timeout_s=config.dist_timeout_s,
         )
         mc = ModelConfig.from_dir(config.model)
+        sliding_window.check_supported(config, mc.layer_windows)
+        self.kv_window = mc.kv_window  # blocks past it are freed by the scheduler (engine/sliding_window.py)
         self.max_model_len = mc.max_model_len_for(config.max_model_len)
         self.task = config.task  # (resolved by EngineConfig)
         if self.task == "embed":

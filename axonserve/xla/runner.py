@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from axonserve.config import EngineConfig
 from axonserve.engine.buckets import BucketConfig, bucket_shapes
+from axonserve.engine.sliding_window import check_supported as check_sliding_window
 from axonserve.neuron.config import ModelConfig
 from axonserve.neuron.loader import load_model
 from axonserve.neuron.model_runner import DTYPES, ModelRunner, RequestState
@@ -62,6 +63,7 @@ class XlaModelRunner(ModelRunner):
         torch.manual_seed(config.seed)
         init_tensor_parallel(rank, config.num_workers, dist_init, timeout_s=config.dist_timeout_s, device="xla")
         mc = ModelConfig.from_dir(config.model)
+        check_sliding_window(config, mc.layer_windows)  # the compiled graphs attend to every key
         self.task = config.task
         b = BucketConfig.from_engine_config(config, mc.max_model_len_for(config.max_model_len))
         self.max_model_len = min(mc.max_model_len_for(config.max_model_len), b.max_kv_len)

@@ -137,11 +137,11 @@ def test_sliding_window_read_from_each_config_layout(tmp_path):
     # which layers (transformers 5: Qwen2Config layer i slides when i >= max_window_layers)
     assert windows(sliding_window=8) == [8] * 4
     assert windows(model_type="qwen2", sliding_window=8, max_window_layers=2) == [None] * 4  # use_sliding_window off
-    assert windows(model_type="qwen2", sliding_window=8, use_sliding_window=True, max_window_layers=1) == [None] + [8] * 3
-    assert windows(model_type="qwen3", sliding_window=8, use_sliding_window=True, max_window_layers=0) == [8] * 4
-    assert windows(
-        model_type="qwen3", sliding_window=8, use_sliding_window=True, layer_types=["sliding_attention", "full_attention"] * 2
-    ) == [8, None, 8, None]
+    on = dict(sliding_window=8, use_sliding_window=True)
+    assert windows(model_type="qwen2", max_window_layers=1, **on) == [None] + [8] * 3
+    assert windows(model_type="qwen3", max_window_layers=0, **on) == [8] * 4
+    mixed = ["sliding_attention", "full_attention"] * 2
+    assert windows(model_type="qwen3", layer_types=mixed, **on) == [8, None, 8, None]
     mc = ModelConfig.from_dir(str(tmp_path))  # (the last one)
     assert mc.kv_window is None and mc.sliding_window == 8  # a full layer: nothing can be freed
     windows(sliding_window=8)

@@ -181,9 +181,7 @@ class AttentionMetadata:
             meta.prefills.append(p)
         if window is not None:
             return apply_window(meta, window, q, ctx, table, block_size, prefill_seqs, bool(shapes))
-        meta.rebuild = functools.partial(
-            cls.build, query_lens, context_lens, block_tables, block_size, native, trees
-        )  # type: ignore[assignment]
+        meta.rebuild = functools.partial(cls.build, query_lens, context_lens, block_tables, block_size, native, trees)
         return meta
 
 
@@ -312,7 +310,8 @@ def build_static(
         meta.prefill_mask = torch.from_numpy(mask[:, None])  # [B, 1, Q, kv]
     meta.window = window
     if window is None:
-        meta.rebuild = lambda w: build_static(query_lens, context_lens, block_tables, block_size, shape, pad_block, w)[0]
+        args = (query_lens, context_lens, block_tables, block_size, shape, pad_block)
+        meta.rebuild = lambda w: build_static(*args, w)[0]
     return meta, src, last
 
 
