@@ -25,10 +25,12 @@ prefill, decode, bucketing), and a request's footprint stops growing at about wi
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from axonserve.config import EngineConfig
+    from axonserve.neuron.config import ModelConfig
     from axonserve.engine.block_manager import BlockManager
     from axonserve.engine.request import Request
 
@@ -59,8 +61,9 @@ def blocks_held(num_tokens: int, chunk: int, window: int | None, block_size: int
 
 
 def check_supported(config: EngineConfig, layer_windows: list[int | None]) -> None:
-    """Refuse, at start-up, the settings whose paths do not honour sliding windows."""
-    if not any(layer_windows):
+    """Refuse, at start-up, the settings whose paths do not honour sliding windows (EngineConfig
+    checks a model directory's config.json; every runner checks again what it loads)."""
+    if not any(layer_windows) or config.disable_sliding_window:
         return
     clash = [
         name
@@ -75,5 +78,35 @@ def check_supported(config: EngineConfig, layer_windows: list[int | None]) -> No
         w = max(x for x in layer_windows if x)
         raise ValueError(
             f"sliding-window attention (a {w}-token window on {sum(1 for x in layer_windows if x)} of "
-            f"{len(layer_windows)} layers) is not supported with {clash[0]}"
+            f"{len(layer_windows)} layers) is not supported with {clash[0]}; --disable-sliding-window "
+            f"serves the model with full attention, exact up to the window (max_model_len {w})"
         )
+
+
+def resolve(config: EngineConfig, mc: ModelConfig) -> tuple[ModelConfig, int | None]:
+    """The model config a runner serves and the max_model_len it asks for: as loaded, after
+    `check_supported`; with --disable-sliding-window (vLLM's flag) full attention on every layer,
+    exact only while a sequence fits the smallest window, so max_model_len is capped there."""
+    check_supported(config, mc.layer_windows)
+    w = min((x for x in mc.layer_windows if x), default=None)
+    if not config.disable_sliding_window or w is None:
+        return mc, config.max_model_len
+    if config.max_model_len and config.max_model_len > w:
+        raise ValueError(
+            f"--disable-sliding-window serves {mc.architecture} with full attention, exact only within its "
+            f"{w}-token window: max_model_len {config.max_model_len} exceeds it; use --max-model-len {w} or less"
+        )
+    return dataclasses.replace(mc, layer_windows=[None] * len(mc.layer_windows)), min(
+        config.max_model_len or w, mc.max_position_embeddings
+    )
+
+
+def check_model_dir(config: EngineConfig) -> None:
+    """`check_supported` for a model directory, from its config.json (no torch)."""
+    from axonserve.neuron.config import ModelConfig
+
+    try:
+        windows = ModelConfig.from_dir(config.model).layer_windows
+    except (OSError, KeyError, ValueError, TypeError):
+        return  # not a decoder this reads (an encoder, a vision tower): the runner decides
+    check_supported(config, windows)
