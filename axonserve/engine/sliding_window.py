@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from axonserve.config import EngineConfig
-    from axonserve.neuron.config import ModelConfig
     from axonserve.engine.block_manager import BlockManager
     from axonserve.engine.request import Request
+    from axonserve.neuron.config import ModelConfig
 
 PLACEHOLDER = 0  # block table entry of a released block (a valid id: never read, see above)
 

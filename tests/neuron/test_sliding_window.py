@@ -179,3 +179,31 @@ def test_model_logits_past_the_window_match_transformers(swa_dir, path, monkeypa
         ref = hf(torch.tensor([ids])).logits[0]
     for chunks in ([60], [20, 9, 1, 1, 29], [30] + [1] * 30):
         torch.testing.assert_close(runner_logits(runner, ids, chunks), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_unsupported_settings_are_refused_at_start_up(tmp_path):
+    """EngineConfig reads the model's windows and refuses what does not honour them, naming the
+    way out; --disable-sliding-window serves full attention, capped at the window."""
+    from conftest import make_tiny_model
+
+    from axonserve.config import EngineConfig, SpeculativeConfig
+    from axonserve.engine.sliding_window import check_model_dir
+
+    from .conftest import make_runner
+
+    d = make_tiny_model(str(tmp_path / "m"), "MistralForCausalLM", sliding_window=16)
+    refused = "sliding-window attention .* not supported with .*--disable-sliding-window"
+    for kw in ({"speculative": SpeculativeConfig(method="ngram", num_speculative_tokens=2)}, {"role": "decode"}):
+        with pytest.raises(ValueError, match=refused):
+            EngineConfig(model=d, **kw)
+    xla = EngineConfig(model=d)  # (EngineConfig itself needs torch-xla for --device xla: the check alone)
+    xla.device = "xla"
+    with pytest.raises(ValueError, match=refused.replace("with ", "with --device xla")):
+        check_model_dir(xla)
+    EngineConfig(model=d, speculative=SpeculativeConfig(method="ngram"), disable_sliding_window=True)
+    runner = make_runner(d, disable_sliding_window=True)
+    assert runner.max_model_len == 16 and runner.kv_window is None
+    assert all(layer.self_attn.window is None for layer in runner.model.model.layers)
+    with pytest.raises(ValueError, match="exceeds it; use --max-model-len 16 or less"):
+        make_runner(d, disable_sliding_window=True, max_model_len=17)
+    assert make_runner(d).max_model_len == 512 and make_runner(d).kv_window == 16
