@@ -127,7 +127,7 @@ async def test_preemption_keeps_parity(tmp_path_factory, smollm2_dir):
 
 async def _held_blocks(client, num_blocks: int, prompt: list[int], n: int) -> list[tuple[int, int]]:
     """(sequence length the client has seen, KV blocks in use) sampled from the scheduler's own
-    gauge while one request streams; the request is still running at every sample."""
+    gauges while one request streams (samples taken after the engine finished it are dropped)."""
     samples = []
     seen, next_at = len(prompt), len(prompt) + 8
     params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
@@ -138,7 +138,8 @@ async def _held_blocks(client, num_blocks: int, prompt: list[int], n: int) -> li
         if seen >= next_at:
             next_at += 8
             stats = await client.get_stats()
-            samples.append((seen, round(stats.kv_cache_usage * num_blocks)))
+            if stats.num_running:
+                samples.append((seen, round(stats.kv_cache_usage * num_blocks)))
     return samples
 
 
@@ -170,34 +171,48 @@ async def test_blocks_held_stop_growing_past_the_window(tmp_path_factory, smollm
     assert full[-1][1] > 3 * bound
 
 
-def _metric(base_url: str, name: str) -> float:
+def _metrics(base_url: str) -> dict[str, float]:
     text = httpx.get(base_url + "/metrics", timeout=10).text
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 @pytest.mark.timeout(600)
 def test_kv_usage_metric_stays_flat_over_http(tmp_path_factory, smollm2_dir):
-    """The served KV usage gauge (vllm:kv_cache_usage_perc) during a 160-token completion of a
-    sliding-window model never exceeds the window's blocks, 10x the window past the prompt; a
-    prompt past the window is a 200, one past max_model_len a 400."""
+    """The served KV usage gauge (vllm:kv_cache_usage_perc) of a sliding-window model never exceeds
+    the window's blocks while a long completion streams (read with the step's own running count and
+    generated tokens, from the same stats event); leaving the stream ends the request. A prompt past
+    the window is a 200, one past max_model_len a 400."""
     d = _model(tmp_path_factory, "mistral", smollm2_dir)
-    with serve(d, "--block-size", str(BS), "--num-kv-blocks", "64", "--max-model-len", "400") as srv:
-        body = {"model": d, "prompt": "hello " * 4, "max_tokens": 160, "stream": True, "ignore_eos": True}
+    args = (
+        "--block-size",
+        str(BS),
+        "--num-kv-blocks",
+        "64",
+        "--max-model-len",
+        "4000",
+        "--max-num-batched-tokens",
+        "64",
+    )
+    with serve(d, *args) as srv:
+        body = {"model": d, "prompt": "hello " * 4, "max_tokens": 3900, "stream": True, "ignore_eos": True}
         samples, chunks = [], 0
         with httpx.Client(base_url=srv.base_url, timeout=120) as c:
             with c.stream("POST", "/v1/completions", json=body) as resp:
                 assert resp.status_code == 200
                 for line in resp.iter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        chunks += 1
-                        if chunks % 16 == 0 and chunks < 150:
-                            samples.append(_metric(srv.base_url, "vllm:kv_cache_usage_perc"))
+                    chunks += line.startswith("data: ")
+                    if chunks >= 4 * WINDOW and chunks % 16 == 0:
+                        m = _metrics(srv.base_url)
+                        if m["vllm:num_requests_running"] == 1:  # (not after the request ended)
+                            samples.append((m["vllm:generation_tokens_total"], m["vllm:kv_cache_usage_perc"]))
+                        if len(samples) == 8:
+                            break  # the client leaves: the request is aborted
             long = {"model": d, "prompt": "hello " * 120, "max_tokens": 4}
             assert c.post("/v1/completions", json=long).status_code == 200
-            too_long = {"model": d, "prompt": "hello " * 500, "max_tokens": 4}
+            too_long = {"model": d, "prompt": "hello " * 4100, "max_tokens": 4}
             r = c.post("/v1/completions", json=too_long)
             assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
-    print("kv_cache_usage_perc samples:", samples)
+    print("(generated tokens, kv_cache_usage_perc) samples:", samples)
     bound = blocks_held(10**6, 16, WINDOW, BS) / 64  # (a prompt of at most 16 tokens)
-    assert chunks >= 150 and samples and max(samples) > 0
-    assert all(s <= bound for s in samples)
+    assert samples and all(0 < u <= bound for _, u in samples)
+    assert max(n for n, _ in samples) > 3 * WINDOW
