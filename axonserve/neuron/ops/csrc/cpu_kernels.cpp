@@ -185,14 +185,16 @@ struct AttnArgs {
 };
 
 // element offset of each key row (same for K and V): walks the block table without a division per key
-// (and of the row's extra positions after them); returns the number of keys
+// (and of the row's extra positions after them); returns the number of keys. WIN: a sliding window
+// (a.win > 0), a separate instantiation so the full-attention code is the one it always was.
+template <bool WIN>
 inline int64_t key_offsets(const AttnArgs& a, int64_t r, int64_t h, std::vector<int64_t>& off) {
-  const int64_t L = a.kvl[r], lo = a.win > 0 && L > a.win ? L - a.win : 0;  // first key in the window
+  const int64_t L = a.kvl[r], lo = WIN && L > a.win ? L - a.win : 0;  // the first key in the window
   const int64_t* table = a.bt + a.seq[r] * a.W;
   off.resize(L - lo + a.E);
-  for (int64_t t0 = lo - lo % a.bs, b = lo / a.bs; t0 < L; t0 += a.bs, ++b) {
+  for (int64_t t0 = lo - lo % a.bs, b = lo / a.bs; t0 < L; t0 += a.bs, ++b) {  // (blocks before lo: untouched)
     const int64_t base = (table[b] * a.bs * a.Hkv + h) * a.D, n = std::min(a.bs, L - t0);
-    for (int64_t i = t0 < lo ? lo - t0 : 0; i < n; ++i) off[t0 + i - lo] = base + i * a.Hkv * a.D;
+    for (int64_t i = WIN && t0 < lo ? lo - t0 : 0; i < n; ++i) off[t0 + i - lo] = base + i * a.Hkv * a.D;
   }
   int64_t n = L - lo;
   for (int64_t e = 0; e < a.E; ++e) {
@@ -207,13 +209,13 @@ inline int64_t key_offsets(const AttnArgs& a, int64_t r, int64_t h, std::vector<
 // a block of 16 keys is widened to float32 once (in L1) and scored against every query head,
 // and each value row is widened once and accumulated into up to GC heads' outputs in registers
 // (bf16 widening otherwise costs as much as the FMAs, G times over).
-template <typename T, typename C, int ND>
+template <typename T, typename C, int ND, bool WIN>
 void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const C* kc, const C* vc, int64_t r, int64_t h,
                      std::vector<float>& scores, std::vector<int64_t>& off) {
 #ifdef AXON_AVX512
   constexpr int D = 16 * ND, GC = ND >= 16 ? 1 : 16 / ND;  // GC * ND accumulators <= 16 registers
   constexpr bool Q8 = std::is_same_v<C, int8_t>;  // int8 cache: a float32 scale per (slot, head)
-  const int64_t G = a.G, L = key_offsets(a, r, h, off);
+  const int64_t G = a.G, L = key_offsets<WIN>(a, r, h, off);
   scores.resize(G * L + G * D + (Q8 ? 2 * L : 0));
   float* qs = scores.data() + G * L;  // the G query rows, scaled, as float32
   float* ksc = qs + G * D;  // Q8: the keys' and values' scales, in key order
@@ -290,11 +292,11 @@ void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const C* kc, const C
 #endif
 }
 
-template <typename T, typename C>
+template <typename T, typename C, bool WIN>
 void attend_item_scalar(const AttnArgs& a, const T* qp, T* op, const C* kc, const C* vc, int64_t r, int64_t h,
                         std::vector<float>& scores, std::vector<int64_t>& off) {
   constexpr bool Q8 = std::is_same_v<C, int8_t>;
-  const int64_t G = a.G, L = key_offsets(a, r, h, off), D = a.D;
+  const int64_t G = a.G, L = key_offsets<WIN>(a, r, h, off), D = a.D;
   scores.resize(G * L);
   std::vector<float> acc(D);
   for (int64_t g = 0; g < G; ++g) {
@@ -338,12 +340,13 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   T* op = out.data_ptr<T>();
   const C* kc = static_cast<const C*>(k_cache.data_ptr());
   const C* vc = static_cast<const C*>(v_cache.data_ptr());
-  auto item_fn = &attend_item_scalar<T, C>;
+  const bool win = a.win > 0;
+  auto item_fn = win ? &attend_item_scalar<T, C, true> : &attend_item_scalar<T, C, false>;
 #ifdef AXON_AVX512
-  if (a.D == 64) item_fn = &attend_item_vec<T, C, 4>;
-  else if (a.D == 128) item_fn = &attend_item_vec<T, C, 8>;
-  else if (a.D == 32) item_fn = &attend_item_vec<T, C, 2>;
-  else if (a.D == 256) item_fn = &attend_item_vec<T, C, 16>;
+  if (a.D == 64) item_fn = win ? &attend_item_vec<T, C, 4, true> : &attend_item_vec<T, C, 4, false>;
+  else if (a.D == 128) item_fn = win ? &attend_item_vec<T, C, 8, true> : &attend_item_vec<T, C, 8, false>;
+  else if (a.D == 32) item_fn = win ? &attend_item_vec<T, C, 2, true> : &attend_item_vec<T, C, 2, false>;
+  else if (a.D == 256) item_fn = win ? &attend_item_vec<T, C, 16, true> : &attend_item_vec<T, C, 16, false>;
 #endif
   const int64_t n = a.R * a.Hkv;
   auto run = [&](int64_t begin, int64_t end) {
