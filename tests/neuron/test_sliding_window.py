@@ -207,3 +207,31 @@ def test_unsupported_settings_are_refused_at_start_up(tmp_path):
     with pytest.raises(ValueError, match="exceeds it; use --max-model-len 16 or less"):
         make_runner(d, disable_sliding_window=True, max_model_len=17)
     assert make_runner(d).max_model_len == 512 and make_runner(d).kv_window == 16
+
+
+@pytest.mark.skipif(K is None, reason="native kernels unavailable (no compiler)")
+def test_multi_step_decode_run_windows_through_the_kernel():
+    """DecodeRun's native metadata (no rebuild) gets the window as the kernel's argument: equal to a
+    step built with AttentionMetadata.build; a torch-path metadata without a rebuild is refused."""
+    from axonserve.neuron.ops.attention import DecodeRun
+
+    g = torch.Generator().manual_seed(9)
+    ctx, steps, bs, window = [40, 23, 9], [4, 3, 2], 4, 10
+    tables = random_block_tables([(s, c) for s, c in zip(steps, ctx)], bs, 128, g)
+    kc, vc = (torch.randn(128, bs, 2, 64, generator=g) for _ in range(2))
+    run = DecodeRun(ctx, tables, steps, bs, native=K)
+    for s, m in ((0, 3), (2, 1)):
+        q, k, v = (
+            torch.randn(m, 6, 64, generator=g),
+            torch.randn(m, 2, 64, generator=g),
+            torch.randn(m, 2, 64, generator=g),
+        )
+        got = paged_attention(q, k, v, kc, vc, run.meta(s, m).for_window(window), 0.125)
+        pos = [c + s for c in ctx[:m]]
+        want = paged_attention(
+            q, k, v, kc, vc, AttentionMetadata.build([1] * m, pos, tables[:m], bs).for_window(window), 0.125
+        )
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    bare = AttentionMetadata(positions=torch.zeros(1, dtype=torch.long), slot_mapping=torch.zeros(1, dtype=torch.long))
+    with pytest.raises(ValueError, match="cannot be rebuilt"):
+        bare.for_window(window)

@@ -74,7 +74,9 @@ class AttentionMetadata:
         if window is None or window == self.window:
             return self
         m = self.by_window.get(window)
-        if m is None:  # without a rebuild: native decode rows only (DecodeRun), the kernel windows them
+        if m is None:  # without a rebuild: native rows only (DecodeRun), which the kernel windows itself
+            if self.rebuild is None and (self.native is None or self.prefills):
+                raise ValueError("this step's metadata cannot be rebuilt for a sliding window")
             m = self.rebuild(window) if self.rebuild else dataclasses.replace(self, window=window, by_window={})
             self.by_window[window] = m
         return m
