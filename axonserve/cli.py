@@ -45,6 +45,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="vLLM's spelling of --task: pooling = embed",
     )
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--disable-sliding-window",
+        action="store_true",
+        help="serve a sliding-window model with full attention, max_model_len capped at its window",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
@@ -417,6 +422,7 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         served_model_name=args.served_model_name or args.model,
         task=requested_task(args.task, args.runner),  # resolved against the model by EngineConfig
         max_model_len=args.max_model_len,
+        disable_sliding_window=args.disable_sliding_window,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,

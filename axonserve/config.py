@@ -171,6 +171,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # checked against the model) here, once, when the config is made: every actor reads the concrete task
     task: str = "auto"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # vLLM's flag: serve a sliding-window model with full attention, max_model_len capped at its
+    # window (engine/sliding_window.py); off: windows honoured at any length
+    disable_sliding_window: bool = False
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     block_size: int = 16
@@ -321,6 +324,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
         self.device = resolve_device(self.device)
         if self.device == "xla":
             self._check_xla()
+        if os.path.isdir(self.model):  # a sliding-window model's unsupported settings
+            from axonserve.engine.sliding_window import check_model_dir  # (reads config.json; no torch)
+
+            check_model_dir(self)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; supported: {', '.join(KV_CACHE_DTYPES)}"

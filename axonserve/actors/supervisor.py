@@ -357,6 +357,7 @@ class Supervisor:
             "max_model_len": int(w0["max_model_len"]),
             "eos_token_ids": list(w0["eos_token_ids"]),
             "vocab_size": int(w0["vocab_size"]),
+            "kv_window": int(w0.get("kv_window") or 0),  # sliding-window models (engine/sliding_window.py)
             **{k: w0[k] for k in IMAGE_INFO if k in w0},  # vision-language models
             # XLA: rank 0's start-up compiles (its step results report the later ones)
             "compile_s": [float(x) for x in w0.get("compile_s", [])],

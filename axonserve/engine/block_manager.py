@@ -9,7 +9,9 @@ blocks collide with another request's and read its KV (vLLM's CVE-2025-25183 was
 A new request reuses every leading block already cached (refcounted, shared read-only) and
 computes only the rest. Freed blocks keep their hash and stay findable in an LRU free list
 until the pool needs them (lazy eviction), so a finished
-conversation's prefix is still a hit for the next turn. Block tables are append-only.
+conversation's prefix is still a hit for the next turn. Block tables are append-only; with a
+sliding-window model (`window`) a running request's leading blocks past the window go back to the
+pool and leave placeholders (engine/sliding_window.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections import OrderedDict
 
 import msgspec
 
+from axonserve.engine import sliding_window
 from axonserve.engine.request import Request
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -27,9 +30,16 @@ _encode = msgspec.msgpack.Encoder().encode
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, hash_key: bytes | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        hash_key: bytes | None = None,
+        window: int | None = None,
     ):
-        """hash_key: the prefix-hash key (default: 32 random bytes, fresh per instance)."""
+        """hash_key: the prefix-hash key (default: 32 random bytes, fresh per instance).
+        window: the model's ModelConfig.kv_window (None: every block is kept while the request runs)."""
+        self.window = window
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -84,6 +94,8 @@ class BlockManager:
 
     def ensure(self, req: Request, num_tokens: int) -> bool:
         """Grow `req.block_ids` to hold `num_tokens` slots; False (nothing taken) if short."""
+        if self.window is not None:
+            sliding_window.release(self, req, self.window)
         need = self.blocks_needed(num_tokens) - len(req.block_ids)
         if need <= 0:
             return True
@@ -106,12 +118,17 @@ class BlockManager:
             return
         self.update_hashes(req)
         full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
-        for i in range(req.num_cached_blocks, full):
+        for i in range(max(req.num_cached_blocks, req.num_released_blocks), full):
             bid, h = req.block_ids[i], req.block_hashes[i]
             if self.block_hash[bid] is None:
                 self.block_hash[bid] = h
                 self.cached.setdefault(h, bid)  # a duplicate computed concurrently stays private
         req.num_cached_blocks = max(req.num_cached_blocks, full)
+
+    def unref(self, bid: int) -> None:
+        self.ref_cnt[bid] -= 1
+        if self.ref_cnt[bid] == 0:
+            self._free[bid] = None
 
     def drop_cached(self) -> None:
         """Forget every cached prefix (the workers that held its KV are gone)."""
@@ -120,10 +137,9 @@ class BlockManager:
 
     def free(self, req: Request) -> None:
         """Return the request's blocks; tail blocks first in LRU order (evicted first)."""
-        for bid in reversed(req.block_ids):
-            self.ref_cnt[bid] -= 1
-            if self.ref_cnt[bid] == 0:
-                self._free[bid] = None
+        for bid in reversed(req.block_ids[req.num_released_blocks :]):
+            self.unref(bid)
         req.block_ids = []
+        req.num_released_blocks = 0
         req.num_blocks_sent = 0
         req.num_cached_blocks = 0

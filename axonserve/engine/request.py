@@ -40,6 +40,7 @@ class Request:
         "num_blocks_sent",
         "block_hashes",
         "num_cached_blocks",
+        "num_released_blocks",
         "num_cached_tokens",
         "extra_keys",
         "prompt_logprobs",
@@ -93,6 +94,9 @@ class Request:
         self.num_blocks_sent = 0  # block ids the worker already has
         self.block_hashes: list[bytes] = []  # chained (keyed) hashes of full blocks of token_ids
         self.num_cached_blocks = 0  # leading blocks published to the prefix cache
+        # leading blocks given back while it runs, past every layer's sliding window (their
+        # block_ids entries are placeholders: engine/sliding_window.py)
+        self.num_released_blocks = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.prompt_logprobs: list[TokenLogprobs] = []  # prompt_logprobs: entries for tokens 1..
         self.prompt_logprobs_sent = False

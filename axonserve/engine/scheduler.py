@@ -37,6 +37,7 @@ from axonserve.config import SpeculativeConfig
 from axonserve.engine.block_manager import BlockManager
 from axonserve.engine.buckets import BucketConfig
 from axonserve.engine.request import Request, Status
+from axonserve.engine.sliding_window import blocks_held
 from axonserve.protocol.codec import TensorRef
 from axonserve.protocol.messages import (
     CachedRequestData,
@@ -81,12 +82,15 @@ class SchedulerConfig:
     # plans may be made before the last one's result is back (see `schedule`); the actor sets it
     async_scheduling: bool = False
     num_scheduler_steps: int = 1  # multi-step decoding (see `_multi_steps`)
+    # every layer slides within at most this many tokens: blocks past it are given back while a
+    # request runs (engine/sliding_window.py); None: full attention somewhere, nothing is
+    kv_window: int | None = None
 
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig):
         self.cfg = cfg
-        self.blocks = BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.blocks = BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching, window=cfg.kv_window)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by _order_key
         self.running: list[Request] = []
@@ -156,8 +160,9 @@ class Scheduler:
             )
         if req.num_output_tokens and req.num_tokens >= req.max_total_tokens:
             return "a resumed request has nothing left to generate"
-        if self.blocks.blocks_needed(req.num_tokens + 1) > cfg.num_kv_blocks:
-            need = self.blocks.blocks_needed(req.num_tokens + 1)
+        chunk = cfg.max_num_batched_tokens if cfg.enable_chunked_prefill else req.num_tokens + 1
+        need = blocks_held(req.num_tokens + 1, chunk, cfg.kv_window, cfg.block_size)
+        if need > cfg.num_kv_blocks:
             return f"prompt needs {need} KV blocks but the pool holds {cfg.num_kv_blocks}"
         return None
 

@@ -28,6 +28,7 @@ from axonserve.engine.disagg import PrefillStage, attach_kv, exported_kv
 from axonserve.engine.profiling import ProfilerStage
 from axonserve.engine.request import Request, Status
 from axonserve.engine.scheduler import Scheduler, SchedulerConfig
+from axonserve.engine.sliding_window import blocks_held
 from axonserve.engine.stage import recv_before
 from axonserve.engine.step import Step, StepStatsPublisher, pooled_rows, result_problem
 from axonserve.multimodal.scheduler import ImageSpec, check_images
@@ -152,7 +153,10 @@ class SchedulerActor(Actor):
         embed = task == "embed"  # an encoder: no KV pool, every prompt runs whole in one step
         buckets = BucketConfig.from_engine_config(cfg, max_len) if cfg.bucketing else None
         pool_tokens = int(info["num_kv_blocks"]) * cfg.block_size
-        if pool_tokens < max_len and not embed:  # one sequence must always fit, or preemption cannot help
+        window = int(info["kv_window"]) if info.get("kv_window") else None  # (engine/sliding_window.py)
+        held = blocks_held(max_len, max(cfg.max_num_batched_tokens, 1), window, cfg.block_size)
+        # one sequence must always fit, or preemption cannot help (a sliding one holds only its window)
+        if pool_tokens < max_len and not embed and held * cfg.block_size > pool_tokens:
             self.log.warning("max_model_len_clamped", max_model_len=max_len, kv_pool_tokens=pool_tokens)
             max_len = pool_tokens
         return Scheduler(
@@ -175,6 +179,7 @@ class SchedulerActor(Actor):
                 and buckets is None
                 and cfg.role == "both",
                 num_scheduler_steps=cfg.num_scheduler_steps,
+                kv_window=window,
             )
         ), max_len
 

@@ -54,7 +54,8 @@ class ModelConfig:
     qkv_bias: bool = False  # q/k/v biases (Qwen2 has them without an o_proj bias)
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     hidden_act: str = "silu"
-    sliding_window: int | None = None  # None: no layer uses sliding-window attention
+    # per decoder layer: its sliding window in tokens (a query at p sees keys > p - window), None: full
+    layer_windows: list[int | None] = field(default_factory=list)
     # mixture of experts (Qwen3-MoE); num_experts == 0: dense model
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -102,7 +103,7 @@ class ModelConfig:
             raw=full,
             qkv_bias=bool(cfg.get("attention_bias", False)),
             hidden_act=str(cfg.get("hidden_act", "silu")),
-            sliding_window=_sliding_window(cfg),
+            layer_windows=layer_windows(cfg),
             num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0),
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
             moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
@@ -116,21 +117,21 @@ class ModelConfig:
         return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     def max_model_len_for(self, requested: int | None) -> int:
-        """The longest sequence to serve: `requested`, else the model's maximum.
+        """The longest sequence to serve: `requested`, else the model's maximum (sliding-window
+        layers attend within their window at any length: neuron/ops/attention.py)."""
+        return requested or self.max_position_embeddings
 
-        Sliding-window attention is not implemented; full attention is exact while every sequence
-        fits in the window, so the default is capped there and a longer request is an error."""
-        n = requested or self.max_position_embeddings
-        w = self.sliding_window
-        if w is None or n <= w:
-            return n
-        if requested:
-            raise ValueError(
-                f"{self.architecture} uses sliding-window attention (window {w}), which is not supported: "
-                f"max_model_len {requested} exceeds the window; use --max-model-len {w} or less"
-            )
-        log.warning("model.max_len_capped_to_sliding_window", window=w, model_max=n)
-        return w
+    @property
+    def sliding_window(self) -> int | None:
+        """The largest window of any sliding layer (None: no layer slides)."""
+        return max((w for w in self.layer_windows if w), default=None)
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window past which a request's KV can be freed: every layer's largest window when every
+        layer slides; None when any layer attends to the whole sequence."""
+        ws = self.layer_windows
+        return max(ws) if ws and all(ws) else None  # type: ignore[type-var]
 
     def kv_bytes_per_token(self, dtype: str = "float32", tp_size: int = 1, kv_cache_dtype: str = "auto") -> int:
         """K and V bytes one token occupies across all layers (on one rank); an int8 cache holds
@@ -140,21 +141,22 @@ class ModelConfig:
         return 2 * self.num_layers * kv_heads * per_head
 
 
-def _sliding_window(cfg: dict[str, Any]) -> int | None:
-    """The window if any layer slides: Mistral slides everywhere when `sliding_window` is set;
-    Qwen2/3 only with `use_sliding_window`, on the layers that `layer_types` (or, before it,
-    `max_window_layers`) marks."""
-    w = cfg.get("sliding_window")
-    if not w or cfg.get("use_sliding_window") is False:
-        return None
+def layer_windows(cfg: dict[str, Any]) -> list[int | None]:
+    """Each layer's sliding window, as transformers 5 reads the config: Mistral slides on every layer
+    when `sliding_window` is set; Qwen2/Qwen3(-MoE) only with `use_sliding_window` (default off),
+    on the layers `layer_types` marks "sliding_attention", else on layers i >= `max_window_layers`
+    (configuration_qwen2.py); a window counts the query itself (masking_utils: kv > q - window)."""
     n = int(cfg["num_hidden_layers"])
+    w = cfg.get("sliding_window")
+    qwen = str(cfg.get("model_type", "")).startswith("qwen")
+    if not w or not cfg.get("use_sliding_window", not qwen):
+        return [None] * n
     if cfg.get("layer_types"):
-        slides = "sliding_attention" in cfg["layer_types"]
-    elif "max_window_layers" in cfg:
-        slides = int(cfg["max_window_layers"]) < n
-    else:
-        slides = True
-    return int(w) if slides else None
+        return [int(w) if t == "sliding_attention" else None for t in cfg["layer_types"][:n]]
+    if qwen or "max_window_layers" in cfg:
+        first = int(cfg.get("max_window_layers", 28))  # (Qwen2Config's default)
+        return [int(w) if i >= first else None for i in range(n)]
+    return [int(w)] * n
 
 
 def _arch_from_model_type(model_type: str) -> str:

@@ -25,6 +25,7 @@ import structlog
 import torch
 
 from axonserve.config import EngineConfig
+from axonserve.engine import sliding_window
 from axonserve.engine.buckets import BucketConfig
 from axonserve.multimodal.worker import ImageEncoderCache, RequestImages, batch_rows
 from axonserve.neuron.config import ModelConfig
@@ -112,8 +113,9 @@ class ModelRunner:
             expert_parallel=config.enable_expert_parallel,
             timeout_s=config.dist_timeout_s,
         )
-        mc = ModelConfig.from_dir(config.model)
-        self.max_model_len = mc.max_model_len_for(config.max_model_len)
+        mc, max_len = sliding_window.resolve(config, ModelConfig.from_dir(config.model))
+        self.kv_window = mc.kv_window  # blocks past it are freed by the scheduler (engine/sliding_window.py)
+        self.max_model_len = mc.max_model_len_for(max_len)
         self.task = config.task  # (resolved by EngineConfig)
         if self.task == "embed":
             _check_encoder_config(config, mc, self.max_model_len)

@@ -75,6 +75,7 @@ class WorkerActor(Actor):
             "max_model_len": r.max_model_len,
             "eos_token_ids": list(r.eos_token_ids),
             "vocab_size": r.vocab_size,
+            "kv_window": getattr(r, "kv_window", None) or 0,  # 0: no window (engine/sliding_window.py)
             "pid": os.getpid(),
             **r.image_info(),
             "compile_s": list(getattr(r, "startup_compile_s", [])),

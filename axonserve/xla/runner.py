@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from axonserve.config import EngineConfig
 from axonserve.engine.buckets import BucketConfig, bucket_shapes
+from axonserve.engine.sliding_window import resolve as resolve_sliding_window
 from axonserve.neuron.config import ModelConfig
 from axonserve.neuron.loader import load_model
 from axonserve.neuron.model_runner import DTYPES, ModelRunner, RequestState
@@ -61,10 +62,11 @@ class XlaModelRunner(ModelRunner):
         self.dtype = DTYPES[config.dtype]
         torch.manual_seed(config.seed)
         init_tensor_parallel(rank, config.num_workers, dist_init, timeout_s=config.dist_timeout_s, device="xla")
-        mc = ModelConfig.from_dir(config.model)
+        # its compiled graphs attend to every key: sliding windows only as --disable-sliding-window
+        mc, max_len = resolve_sliding_window(config, ModelConfig.from_dir(config.model))
         self.task = config.task
-        b = BucketConfig.from_engine_config(config, mc.max_model_len_for(config.max_model_len))
-        self.max_model_len = min(mc.max_model_len_for(config.max_model_len), b.max_kv_len)
+        b = BucketConfig.from_engine_config(config, mc.max_model_len_for(max_len))
+        self.max_model_len = min(mc.max_model_len_for(max_len), b.max_kv_len)
         self.buckets = BucketConfig.from_engine_config(config, self.max_model_len)
         self.shapes: set[Shape] = set()
         self.model_config = dataclasses.replace(

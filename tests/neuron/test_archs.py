@@ -110,21 +110,8 @@ def test_fused_3d_expert_checkpoint_loads_the_same(tmp_path):
     torch.testing.assert_close(runner_logits(make_runner(str(fused_dir)), ids, [25]), want, atol=0, rtol=0)
 
 
-def test_sliding_window_within_max_model_len_is_exact(tmp_path):
-    """Full attention equals sliding-window attention while sequences fit in the window."""
-    d = make_tiny_model(str(tmp_path), "MistralForCausalLM", sliding_window=48)
-    runner = make_runner(d)
-    assert runner.max_model_len == 48  # capped from max_position_embeddings 512
-    ids = torch.randint(0, 1024, (48,), generator=torch.Generator().manual_seed(4)).tolist()
-    with torch.no_grad():
-        ref = hf_model(d)(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(runner_logits(runner, ids, [20, 28]), ref, atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="sliding-window attention .* use --max-model-len 48 or less"):
-        make_runner(d, max_model_len=64)
-
-
 def test_sliding_window_read_from_each_config_layout(tmp_path):
-    def window(**cfg) -> int | None:
+    def windows(**cfg) -> list[int | None]:
         base = {
             "architectures": ["X"],
             "hidden_size": 64,
@@ -134,7 +121,10 @@ def test_sliding_window_read_from_each_config_layout(tmp_path):
             "vocab_size": 100,
         }
         (tmp_path / "config.json").write_text(json.dumps({**base, **cfg}))
-        return ModelConfig.from_dir(str(tmp_path)).sliding_window
+        return ModelConfig.from_dir(str(tmp_path)).layer_windows
+
+    def window(**cfg) -> int | None:
+        return max((w for w in windows(**cfg) if w), default=None)
 
     assert window() is None
     assert window(sliding_window=None) is None
@@ -144,3 +134,15 @@ def test_sliding_window_read_from_each_config_layout(tmp_path):
     assert window(sliding_window=4096, use_sliding_window=True, max_window_layers=2) == 4096
     assert window(sliding_window=64, use_sliding_window=True, layer_types=["full_attention"] * 4) is None
     assert window(sliding_window=64, layer_types=["full_attention", "sliding_attention"] * 2) == 64
+    # which layers (transformers 5: Qwen2Config layer i slides when i >= max_window_layers)
+    assert windows(sliding_window=8) == [8] * 4
+    assert windows(model_type="qwen2", sliding_window=8, max_window_layers=2) == [None] * 4  # use_sliding_window off
+    on = dict(sliding_window=8, use_sliding_window=True)
+    assert windows(model_type="qwen2", max_window_layers=1, **on) == [None] + [8] * 3
+    assert windows(model_type="qwen3", max_window_layers=0, **on) == [8] * 4
+    mixed = ["sliding_attention", "full_attention"] * 2
+    assert windows(model_type="qwen3", layer_types=mixed, **on) == [8, None, 8, None]
+    mc = ModelConfig.from_dir(str(tmp_path))  # (the last one)
+    assert mc.kv_window is None and mc.sliding_window == 8  # a full layer: nothing can be freed
+    windows(sliding_window=8)
+    assert ModelConfig.from_dir(str(tmp_path)).kv_window == 8

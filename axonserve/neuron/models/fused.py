@@ -80,6 +80,9 @@ def build(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, ...]], native: 
             return None
     k, v, *scales = (list(c) for c in zip(*kv_caches))
     stack.set_caches(k, v, *(scales or ([], [])))
+    windows = [layer.self_attn.window or 0 for layer in model.layers]
+    if any(windows):  # sliding-window layers (ops/window.py)
+        stack.set_windows(windows)
     return stack
 
 

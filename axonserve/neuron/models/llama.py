@@ -47,12 +47,15 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        self.window: int | None = None  # sliding window (set by the decoder layer; ops/window.py)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         """With native kernels (meta.native) cos/sin are the whole [positions, D] tables."""
         t, d, hq, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        if self.window is not None:
+            meta = meta.for_window(self.window)
         qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, d)
         qk = qkv[:, : hq + hkv]  # Q and K heads are adjacent: rotate both at once
         if self.q_norm is not None:
@@ -107,6 +110,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(cfg, dtype)
+        self.self_attn.window = cfg.layer_windows[index] if index < len(cfg.layer_windows) else None
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp: nn.Module
         if cfg.is_moe_layer(index):
@@ -242,4 +246,4 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Llama's tensors and math; its sliding window is bounded by ModelConfig.max_model_len_for."""
+    """Llama's tensors and math; its sliding window comes from ModelConfig.layer_windows."""

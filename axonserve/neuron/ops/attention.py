@@ -11,6 +11,9 @@ code does no Python work per token and no host syncs.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -18,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from axonserve.neuron.ops.window import apply_window
 from axonserve.speculative.tree import tree_depths
 
 
@@ -59,6 +63,23 @@ class AttentionMetadata:
     native_row_kv_len: torch.Tensor | None = None  # [native_rows] long: keys the row attends to
     native_row_extra: torch.Tensor | None = None  # [native_rows, E] long: draft-tree keys past kv_len (-1: none)
     native_idx: torch.Tensor | None = None  # flat rows the kernel takes when not all (long chunks: SDPA)
+    # sliding-window layers (ops/window.py): this metadata's window (None: full attention), and
+    # how to build the same step's metadata for another window (`for_window`, once per window)
+    window: int | None = None
+    rebuild: Callable[[int], AttentionMetadata] | None = None
+    by_window: dict[int, AttentionMetadata] = field(default_factory=dict)
+
+    def for_window(self, window: int | None) -> AttentionMetadata:
+        """This step's metadata for a layer with this sliding window (None: this one)."""
+        if window is None or window == self.window:
+            return self
+        m = self.by_window.get(window)
+        if m is None:  # without a rebuild: native rows only (DecodeRun), which the kernel windows itself
+            if self.rebuild is None and (self.native is None or self.prefills):
+                raise ValueError("this step's metadata cannot be rebuilt for a sliding window")
+            m = self.rebuild(window) if self.rebuild else dataclasses.replace(self, window=window, by_window={})
+            self.by_window[window] = m
+        return m
 
     @classmethod
     def build(
@@ -69,13 +90,15 @@ class AttentionMetadata:
         block_size: int,
         native: ModuleType | None = None,
         trees: dict[int, list[int]] | None = None,
+        window: int | None = None,
     ) -> "AttentionMetadata":
         """Sequences must come decodes (query_len == 1) first, then prefills, in flat-batch order.
         native: the kernels module, when the model's dtype has native kernels.
         trees: sequence index -> its drafts' parents (speculative/tree.py; speculative verification of a
         draft tree: query row 0 is the last known token, row 1 + j draft j). Its rows occupy
         consecutive slots but sit at position context + depth and attend to the context plus their
-        ancestors."""
+        ancestors.
+        window: a sliding window (ops/window.py); layers get it through `for_window`."""
         n = len(query_lens)
         q = np.asarray(query_lens, dtype=np.int64)
         ctx = np.asarray(context_lens, dtype=np.int64)
@@ -158,6 +181,9 @@ class AttentionMetadata:
                 if i in shapes:
                     p.mask[:, p.context_len :] = torch.from_numpy(shapes[i][1])
             meta.prefills.append(p)
+        if window is not None:
+            return apply_window(meta, window, q, ctx, table, block_size, prefill_seqs, bool(shapes))
+        meta.rebuild = functools.partial(cls.build, query_lens, context_lens, block_tables, block_size, native, trees)
         return meta
 
 
@@ -237,6 +263,7 @@ def build_static(
     block_size: int,
     shape: tuple[str, int, int, int],
     pad_block: int,
+    window: int | None = None,
 ) -> tuple[AttentionMetadata, np.ndarray, np.ndarray]:
     """Metadata for one step padded to a bucket shape (phase, batch, query_len, kv_len).
 
@@ -270,6 +297,8 @@ def build_static(
     src = np.where(real, starts[:, None] + k_idx[None, :], -1).reshape(-1)
     last = np.arange(n) * nq + q - 1
     mask = np.arange(kv)[None, None, :] <= pos[:, :, None]  # causal within the real sequence
+    if window is not None:  # ... and within the window (a padding row at 0 keeps key 0)
+        mask &= np.arange(kv)[None, None, :] > pos[:, :, None] - window
     meta = AttentionMetadata(
         positions=torch.from_numpy(pos.reshape(-1)), slot_mapping=torch.from_numpy(slots.reshape(-1))
     )
@@ -281,6 +310,10 @@ def build_static(
         meta.static_prefill = (nb, nq)
         meta.prefill_block_table = torch.from_numpy(table)
         meta.prefill_mask = torch.from_numpy(mask[:, None])  # [B, 1, Q, kv]
+    meta.window = window
+    if window is None:
+        args = (query_lens, context_lens, block_tables, block_size, shape, pad_block)
+        meta.rebuild = lambda w: build_static(*args, w)[0]
     return meta, src, last
 
 
@@ -348,6 +381,7 @@ def paged_attention(
                 k_scale,
                 v_scale,
                 meta.native_row_extra,
+                meta.window or 0,
             )
             if idx is not None:
                 out.index_copy_(0, idx, on)
@@ -407,9 +441,11 @@ def _prefills(
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     for p in meta.prefills:
         qp = q[p.start : p.end].transpose(0, 1)[None]
-        if p.context_len == 0:
+        if p.context_len == 0:  # (a mask only for a chunk longer than a sliding window)
             kp, vp = k[p.start : p.end].transpose(0, 1)[None], v[p.start : p.end].transpose(0, 1)[None]
-            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+            op = F.scaled_dot_product_attention(
+                qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
+            )
         else:
             kv_len = p.mask.shape[1]  # type: ignore[union-attr]
             kp = _gather_blocks(k_cache, p.block_ids, k_scale, q.dtype).view(-1, hkv, d)[:kv_len].transpose(0, 1)[None]

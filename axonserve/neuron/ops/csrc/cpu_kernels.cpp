@@ -169,7 +169,9 @@ inline void softmax_inplace(float* s, int64_t n) {
 
 // ------------------------------------------------------------------ paged attention
 // Row r of q attends to the first kv_len[r] positions of sequence seq[r]'s blocks, then to the
-// positions in extra[r] (optional [R, E], -1 padded: a draft tree's ancestors). Work item =
+// positions in extra[r] (optional [R, E], -1 padded: a draft tree's ancestors); with a sliding
+// window W > 0 only to the last W of those kv_len positions (the row's query sits at kv_len - 1:
+// keys > query - W, ops/window.py), so the blocks before them are never read. Work item =
 // (row, kv head): the `group` query heads sharing that KV head read each key once. Scores are
 // exact softmax (max, exp, sum) over the row's keys; accumulation in float32.
 struct AttnArgs {
@@ -179,19 +181,22 @@ struct AttnArgs {
   const float *ks = nullptr, *vs = nullptr;  // int8 caches: scale per (slot, KV head)
   const int64_t* extra = nullptr;  // [R, E] key positions past kv_len (-1: none)
   int64_t E = 0;
+  int64_t win = 0;  // sliding window (0: none)
 };
 
 // element offset of each key row (same for K and V): walks the block table without a division per key
-// (and of the row's extra positions after them); returns the number of keys
+// (and of the row's extra positions after them); returns the number of keys. WIN: a sliding window
+// (a.win > 0), a separate instantiation so the full-attention code is the one it always was.
+template <bool WIN>
 inline int64_t key_offsets(const AttnArgs& a, int64_t r, int64_t h, std::vector<int64_t>& off) {
-  const int64_t L = a.kvl[r];
+  const int64_t L = a.kvl[r], lo = WIN && L > a.win ? L - a.win : 0;  // the first key in the window
   const int64_t* table = a.bt + a.seq[r] * a.W;
-  off.resize(L + a.E);
-  for (int64_t t0 = 0, b = 0; t0 < L; t0 += a.bs, ++b) {
+  off.resize(L - lo + a.E);
+  for (int64_t t0 = lo - lo % a.bs, b = lo / a.bs; t0 < L; t0 += a.bs, ++b) {  // (blocks before lo: untouched)
     const int64_t base = (table[b] * a.bs * a.Hkv + h) * a.D, n = std::min(a.bs, L - t0);
-    for (int64_t i = 0; i < n; ++i) off[t0 + i] = base + i * a.Hkv * a.D;
+    for (int64_t i = WIN && t0 < lo ? lo - t0 : 0; i < n; ++i) off[t0 + i - lo] = base + i * a.Hkv * a.D;
   }
-  int64_t n = L;
+  int64_t n = L - lo;
   for (int64_t e = 0; e < a.E; ++e) {
     const int64_t p = a.extra[r * a.E + e];
     if (p >= 0) off[n++] = ((table[p / a.bs] * a.bs + p % a.bs) * a.Hkv + h) * a.D;
@@ -204,13 +209,13 @@ inline int64_t key_offsets(const AttnArgs& a, int64_t r, int64_t h, std::vector<
 // a block of 16 keys is widened to float32 once (in L1) and scored against every query head,
 // and each value row is widened once and accumulated into up to GC heads' outputs in registers
 // (bf16 widening otherwise costs as much as the FMAs, G times over).
-template <typename T, typename C, int ND>
+template <typename T, typename C, int ND, bool WIN>
 void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const C* kc, const C* vc, int64_t r, int64_t h,
                      std::vector<float>& scores, std::vector<int64_t>& off) {
 #ifdef AXON_AVX512
   constexpr int D = 16 * ND, GC = ND >= 16 ? 1 : 16 / ND;  // GC * ND accumulators <= 16 registers
   constexpr bool Q8 = std::is_same_v<C, int8_t>;  // int8 cache: a float32 scale per (slot, head)
-  const int64_t G = a.G, L = key_offsets(a, r, h, off);
+  const int64_t G = a.G, L = key_offsets<WIN>(a, r, h, off);
   scores.resize(G * L + G * D + (Q8 ? 2 * L : 0));
   float* qs = scores.data() + G * L;  // the G query rows, scaled, as float32
   float* ksc = qs + G * D;  // Q8: the keys' and values' scales, in key order
@@ -287,11 +292,11 @@ void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const C* kc, const C
 #endif
 }
 
-template <typename T, typename C>
+template <typename T, typename C, bool WIN>
 void attend_item_scalar(const AttnArgs& a, const T* qp, T* op, const C* kc, const C* vc, int64_t r, int64_t h,
                         std::vector<float>& scores, std::vector<int64_t>& off) {
   constexpr bool Q8 = std::is_same_v<C, int8_t>;
-  const int64_t G = a.G, L = key_offsets(a, r, h, off), D = a.D;
+  const int64_t G = a.G, L = key_offsets<WIN>(a, r, h, off), D = a.D;
   scores.resize(G * L);
   std::vector<float> acc(D);
   for (int64_t g = 0; g < G; ++g) {
@@ -320,7 +325,8 @@ void attend_item_scalar(const AttnArgs& a, const T* qp, T* op, const C* kc, cons
 template <typename T, typename C>
 void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& block_table, const at::Tensor& row_seq, const at::Tensor& row_kv_len,
-                          double scale, const float* ks, const float* vs, const c10::optional<at::Tensor>& extra) {
+                          double scale, const float* ks, const float* vs, const c10::optional<at::Tensor>& extra,
+                          int64_t window) {
   AttnArgs a{q.size(0), q.size(1), q.size(2), k_cache.size(1), k_cache.size(2), q.size(1) / k_cache.size(2),
              q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.size(1),
              block_table.data_ptr<int64_t>(), row_seq.data_ptr<int64_t>(), row_kv_len.data_ptr<int64_t>(),
@@ -329,16 +335,18 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
     a.extra = extra->data_ptr<int64_t>();
     a.E = extra->size(1);
   }
+  a.win = window;
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const C* kc = static_cast<const C*>(k_cache.data_ptr());
   const C* vc = static_cast<const C*>(v_cache.data_ptr());
-  auto item_fn = &attend_item_scalar<T, C>;
+  const bool win = a.win > 0;
+  auto item_fn = win ? &attend_item_scalar<T, C, true> : &attend_item_scalar<T, C, false>;
 #ifdef AXON_AVX512
-  if (a.D == 64) item_fn = &attend_item_vec<T, C, 4>;
-  else if (a.D == 128) item_fn = &attend_item_vec<T, C, 8>;
-  else if (a.D == 32) item_fn = &attend_item_vec<T, C, 2>;
-  else if (a.D == 256) item_fn = &attend_item_vec<T, C, 16>;
+  if (a.D == 64) item_fn = win ? &attend_item_vec<T, C, 4, true> : &attend_item_vec<T, C, 4, false>;
+  else if (a.D == 128) item_fn = win ? &attend_item_vec<T, C, 8, true> : &attend_item_vec<T, C, 8, false>;
+  else if (a.D == 32) item_fn = win ? &attend_item_vec<T, C, 2, true> : &attend_item_vec<T, C, 2, false>;
+  else if (a.D == 256) item_fn = win ? &attend_item_vec<T, C, 16, true> : &attend_item_vec<T, C, 16, false>;
 #endif
   const int64_t n = a.R * a.Hkv;
   auto run = [&](int64_t begin, int64_t end) {
@@ -350,7 +358,10 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   // for its fixed cost): the rows' contexts differ, and a split by item count leaves one thread
   // streaming while the other waits at the barrier. A small call (one short decode) stays here.
   std::vector<int64_t> cum(n + 1, 0);
-  for (int64_t i = 0; i < n; ++i) cum[i + 1] = cum[i] + a.kvl[i / a.Hkv] + 1;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t kv = a.kvl[i / a.Hkv];
+    cum[i + 1] = cum[i] + (a.win > 0 ? std::min(kv, a.win) : kv) + 1;
+  }
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
   if (cum[n] * a.G * a.D < 8 * 32768 || threads <= 1 || at::in_parallel_region()) {
     run(0, n);
@@ -379,7 +390,8 @@ void check_cache_scales(const at::Tensor& cache, const c10::optional<at::Tensor>
 
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                      at::Tensor row_seq, at::Tensor row_kv_len, double scale, c10::optional<at::Tensor> k_scale,
-                     c10::optional<at::Tensor> v_scale, c10::optional<at::Tensor> row_extra) {
+                     c10::optional<at::Tensor> v_scale, c10::optional<at::Tensor> row_extra, int64_t window) {
+  TORCH_CHECK(window >= 0, "window: 0 (none) or a positive sliding window");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.stride(2) == 1, "q/out: [rows, heads, head_dim], last dim dense");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_table.is_contiguous(), "contiguous caches");
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(), "one dtype");
@@ -394,8 +406,10 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   const float* vs = q8 ? v_scale->data_ptr<float>() : nullptr;
   by_dtype(q.scalar_type(), "paged_attention", [&](auto tag) {
     using T = decltype(tag);
-    if (q8) paged_attention_impl<T, int8_t>(out, q, k_cache, v_cache, block_table, row_seq, row_kv_len, scale, ks, vs, row_extra);
-    else paged_attention_impl<T, T>(out, q, k_cache, v_cache, block_table, row_seq, row_kv_len, scale, ks, vs, row_extra);
+    if (q8) paged_attention_impl<T, int8_t>(out, q, k_cache, v_cache, block_table, row_seq, row_kv_len, scale, ks, vs, row_extra,
+                                           window);
+    else paged_attention_impl<T, T>(out, q, k_cache, v_cache, block_table, row_seq, row_kv_len, scale, ks, vs, row_extra,
+                                    window);
   });
 }
 
@@ -1212,6 +1226,7 @@ struct DecoderStack {
   std::vector<Layer> layers;
   std::vector<at::Tensor> k_caches, v_caches;
   std::vector<c10::optional<at::Tensor>> k_scales, v_scales;  // int8 caches' scales (else none)
+  std::vector<int64_t> windows;  // per layer: its sliding window (0: none); empty: none anywhere
 
   DecoderStack(int64_t hq, int64_t hkv, int64_t d, double eps_, double scale_, at::Tensor final_norm_, at::Tensor cos_,
                at::Tensor sin_)
@@ -1244,6 +1259,11 @@ struct DecoderStack {
     for (size_t l = 0; l < ks.size(); ++l) { k_scales[l] = ks[l]; v_scales[l] = vs[l]; }
   }
 
+  void set_windows(std::vector<int64_t> w) {
+    TORCH_CHECK(w.size() == layers.size(), "one window per layer (0: none)");
+    windows = std::move(w);
+  }
+
   // x: [T, hidden] embedded tokens, every row attending through paged_attention (decodes, short
   // chunks); returns the final-norm hidden states (without a final norm: the residual stream). The
   // residual stream is updated in place by the fused add + RMSNorm, as LlamaDecoderLayer's
@@ -1262,7 +1282,7 @@ struct DecoderStack {
       rotary_kv_write(qkv, Hq, Hkv, cos, sin, positions, k_caches[l], v_caches[l], slots, k_scales[l], v_scales[l]);
       at::Tensor attn = at::empty({T, Hq, D}, h.options());
       paged_attention(attn, qkv.narrow(1, 0, Hq), k_caches[l], v_caches[l], block_table, row_seq, row_kv_len, scale,
-                      k_scales[l], v_scales[l], row_extra);
+                      k_scales[l], v_scales[l], row_extra, windows.empty() ? 0 : windows[l]);
       at::Tensor o = L.o(attn.view({T, Hq * D}));
       at::Tensor n2 = at::empty_like(h);
       rms_norm(n2, o, h, L.post_norm, eps);
@@ -1282,6 +1302,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor, at::Tensor>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("set_caches", &DecoderStack::set_caches)
+      .def("set_windows", &DecoderStack::set_windows)
       .def("forward", &DecoderStack::forward, pybind11::arg("x"), pybind11::arg("positions"), pybind11::arg("slots"),
            pybind11::arg("block_table"), pybind11::arg("row_seq"), pybind11::arg("row_kv_len"),
            pybind11::arg("row_extra") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
@@ -1289,7 +1310,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("block_table"), pybind11::arg("row_seq"), pybind11::arg("row_kv_len"), pybind11::arg("scale"),
         pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none(),
-        pybind11::arg("row_extra") = pybind11::none());
+        pybind11::arg("row_extra") = pybind11::none(), pybind11::arg("window") = 0);
   m.def("rotary_kv_write", &rotary_kv_write, "rotary on Q/K heads in place + K/V cache write (int8: quantized)",
         pybind11::arg("qkv"), pybind11::arg("hq"), pybind11::arg("hkv"), pybind11::arg("cos"), pybind11::arg("sin"),
         pybind11::arg("positions"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slots"),
