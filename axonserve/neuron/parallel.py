@@ -242,6 +242,10 @@ def tp_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
     return total if x.dtype == torch.float32 else total.to(x.dtype)
 
 
+# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def tp_all_gather_tokens(x: torch.Tensor, total: int) -> torch.Tensor:
     """Every rank's token shard [s, ...] concatenated in rank order, the padding past `total`
     rows dropped: the whole batch again (before a column-parallel matmul or the LM head)."""
@@ -254,7 +258,7 @@ def tp_all_gather_tokens(x: torch.Tensor, total: int) -> torch.Tensor:
             return xm.all_gather(x, dim=0)[:total]
         return _via_host(x, lambda h: tp_all_gather_tokens(h, total))
     out = x.new_empty((x.shape[0] * TPInfo.size, *x.shape[1:]))
-    _collective("all_gather", dist.all_gather_into_tensor, out, x.contiguous())
+    _collective("all_gather", _all_gather_single, out, x.contiguous())
     return out[:total]
 
 
