@@ -7,6 +7,8 @@ gloo ranks; one with `sequence_parallel` and a threshold below every prompt, one
 prefix caching off, the whole prompt in one step), and times one-token requests of fresh random
 prompts, interleaved off, on, off, on ... so slow drift on a shared machine hits both alike.
 Each engine first runs one untimed prompt of every length (oneDNN's first use of a shape).
+`--forward` times the model forward alone on two gloo ranks instead (no scheduler, bus or
+sampling), SP toggled between runs on the same runners.
 """
 
 from __future__ import annotations
@@ -107,6 +109,76 @@ async def _measure(model: str, dtype: str, args: argparse.Namespace) -> dict:
             await sup.stop("bench done")
 
 
+def _forward_rank(rank: int, port: int, q, model: str, dtype: str, args: argparse.Namespace) -> None:
+    """--forward: one rank of a 2-process gloo group timing the model forward of one prompt, SP
+    toggled between runs on the same runner (same weights, same processes)."""
+    import torch
+    import torch.distributed as dist
+
+    from axonserve.neuron.model_runner import ModelRunner
+    from axonserve.neuron.ops.attention import AttentionMetadata
+    from axonserve.neuron.sequence_parallel import SequenceParallel
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    longest = max(lengths)
+    config = EngineConfig(
+        model=model,
+        dtype=dtype,
+        num_workers=args.num_workers,
+        sequence_parallel=True,
+        sequence_parallel_threshold=1,
+        max_num_batched_tokens=longest,
+        num_kv_blocks=longest // 16 + 8,
+        log_level="warning",
+    )
+    runner = ModelRunner(config, rank=rank, dist_init=f"tcp://127.0.0.1:{port}")
+    rng = random.Random(0)
+    times: dict[str, dict[int, list[float]]] = {"off": {n: [] for n in lengths}, "on": {n: [] for n in lengths}}
+
+    def once(n: int, mode: str) -> float:
+        SequenceParallel.threshold = 1 if mode == "on" else 0
+        ids = torch.tensor([rng.randrange(3, VOCAB) for _ in range(n)])
+        meta = AttentionMetadata.build([n], [0], [list(range(-(-n // 16)))], 16, native=runner.native)
+        dist.barrier()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            runner.model(ids, meta.positions, runner.kv_caches, meta)
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    for n in lengths:
+        once(n, "off"), once(n, "on")  # untimed: each shape's first run
+        for _ in range(args.runs):
+            for mode in ("off", "on"):
+                times[mode][n].append(once(n, mode))
+    q.put((rank, times))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _measure_forward(model: str, dtype: str, args: argparse.Namespace) -> dict:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_forward_rank, args=(r, port, q, model, dtype, args)) for r in range(args.num_workers)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(q.get(timeout=3600) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return {"times": results[0], "sp_forwards": "-"}
+
+
 def main(argv: list[str] | None = None) -> int:
     import uvloop
 
@@ -118,13 +190,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3, help="timed runs per length and mode (interleaved)")
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--out", default="", help="write every time as JSON here")
+    p.add_argument(
+        "--forward",
+        action="store_true",
+        help="time the model forward on the ranks directly (SP toggled on the same runners), not TTFT",
+    )
     args = p.parse_args(argv)
     rows = []
     print(f"{'dtype':>9} {'hidden':>6} {'tokens':>6}  {'SP off: median [range] s':>26}  {'SP on':>26}  on/off")
     for dtype in args.dtypes.split(","):
         for hidden in (int(x) for x in args.hidden.split(",")):
             with tempfile.TemporaryDirectory(prefix="axonserve-sp-") as d:
-                r = uvloop.run(_measure(make_model(d, hidden, args.layers), dtype, args))
+                model = make_model(d, hidden, args.layers)
+                r = _measure_forward(model, dtype, args) if args.forward else uvloop.run(_measure(model, dtype, args))
             for n in r["times"]["off"]:
                 off, on = r["times"]["off"][n], r["times"]["on"][n]
                 mo, mn = statistics.median(off), statistics.median(on)
@@ -136,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  (sequence-parallel forwards in the SP engine: {r['sp_forwards']})")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"layers": args.layers, "num_workers": args.num_workers, "rows": rows}, f, indent=2)
+            meta = {"layers": args.layers, "num_workers": args.num_workers, "forward": args.forward}
+            json.dump({**meta, "rows": rows}, f, indent=2)
     return 0
 
 
