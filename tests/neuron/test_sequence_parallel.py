@@ -160,3 +160,34 @@ def test_cli_sequence_parallel_flags_reach_the_config(tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         cli.main(["serve", model_dir, "-tp", "2", "--sequence-parallel", "--sequence-parallel-threshold", "300"])
     assert seen["config"].sequence_parallel and seen["config"].sequence_parallel_threshold == 300
+
+
+@pytest.mark.parametrize("arch, refused", [("Qwen3MoeForCausalLM", "MoE"), ("Qwen3ForCausalLM", None)])
+def test_moe_models_are_refused_at_start_up(tmp_path, monkeypatch, arch, refused):
+    """The worker's check after loading (the MoE block's own collectives expect the whole batch);
+    the structural check needs no group, so the rank count is set without one."""
+    import importlib.util
+    import os
+
+    from axonserve.neuron import sequence_parallel
+    from axonserve.neuron.config import ModelConfig
+    from axonserve.neuron.loader import load_model
+    from axonserve.neuron.parallel import TPInfo
+
+    path = os.path.join(os.path.dirname(__file__), "..", "conftest.py")
+    spec = importlib.util.spec_from_file_location("tests_root_conftest", path)
+    root = importlib.util.module_from_spec(spec)  # tests/conftest.py (this package has its own conftest)
+    spec.loader.exec_module(root)
+    model_dir = root.make_tiny_model(str(tmp_path / "m"), arch)
+    model = load_model(ModelConfig.from_dir(model_dir), torch.float32, progress=False)
+    monkeypatch.setattr(TPInfo, "size", 2)
+    config = EngineConfig(model=model_dir, num_workers=2, sequence_parallel=True)
+    try:
+        if refused:
+            with pytest.raises(ValueError, match=refused):
+                sequence_parallel.configure(config, model)
+        else:
+            sequence_parallel.configure(config, model)
+            assert sequence_parallel.SequenceParallel.threshold == config.sequence_parallel_threshold
+    finally:
+        sequence_parallel.SequenceParallel.threshold = 0
