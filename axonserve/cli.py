@@ -16,7 +16,14 @@ import msgspec
 import structlog
 
 from axonserve import __version__
-from axonserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, RequestLimits, SpeculativeConfig
+from axonserve.config import (
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    SEQUENCE_PARALLEL_THRESHOLD,
+    EngineConfig,
+    RequestLimits,
+    SpeculativeConfig,
+)
 from axonserve.engine.buckets import parse_buckets, read_bucket_file
 from axonserve.logs import setup_logging
 
@@ -191,6 +198,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=1,
         dest="num_workers",
         help="worker ranks (tensor parallel over gloo)",
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="shard long prefills' tokens over the tensor-parallel ranks (norms and residuals per token "
+        "shard; all-gather before attention and the MLP, reduce-scatter after); off by default: it did not "
+        "pay on 2 CPU cores over gloo (docs/benchmarks.md)",
+    )
+    p.add_argument(
+        "--sequence-parallel-threshold",
+        type=int,
+        default=SEQUENCE_PARALLEL_THRESHOLD,
+        help="steps of at least this many tokens run sequence-parallel (decodes and short steps: plain TP)",
     )
     p.add_argument(
         "--enable-expert-parallel",
@@ -450,6 +470,8 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         kv_cache_dtype=args.kv_cache_dtype,
         num_workers=args.num_workers,
         enable_expert_parallel=args.enable_expert_parallel,
+        sequence_parallel=args.sequence_parallel,
+        sequence_parallel_threshold=args.sequence_parallel_threshold,
         threads=args.threads,
         seed=args.seed,
         bucketing=args.bucketing,

@@ -164,6 +164,11 @@ QUANTIZATIONS = ("int8", "int4", "fp8")  # weight formats (neuron/layers/quant.p
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names; fp8 = fp8_e4m3
 
 
+# --sequence-parallel-threshold's default: the step token count from which sequence parallelism
+# runs (docs/benchmarks.md#fig-sequence-parallel)
+SEQUENCE_PARALLEL_THRESHOLD = 1024
+
+
 class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str  # resolved model directory (config.json, weights, tokenizer)
     served_model_name: str = ""
@@ -213,6 +218,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # sequence parallelism over the tensor-parallel ranks (NxDI's): norms and residuals sharded along
     # tokens, all-gather before attention and the MLP, reduce-scatter after (neuron/parallel.py)
     sequence_parallel: bool = False
+    # steps of at least this many tokens run sequence-parallel (smaller ones, decodes: plain TP)
+    sequence_parallel_threshold: int = SEQUENCE_PARALLEL_THRESHOLD
     # multi-LoRA serving (axonserve/lora), vLLM's flags: adapters selected per request by model name
     enable_lora: bool = False
     lora_modules: list[str] = []  # name=path (PEFT directories) served from the start
@@ -395,6 +402,33 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.speculative.validate()
             if self.bucketing:
                 raise ValueError("speculative decoding is not supported in bucketing mode yet")
+        self._check_sequence_parallel()
+
+    def _check_sequence_parallel(self) -> None:
+        """--sequence-parallel shards a step's tokens over the tensor-parallel ranks of the eager CPU
+        path (neuron/sequence_parallel.py); what it does not run is refused here, at start-up."""
+        if self.sequence_parallel_threshold < 1:
+            raise ValueError(f"sequence_parallel_threshold must be >= 1, got {self.sequence_parallel_threshold}")
+        if not self.sequence_parallel:
+            return
+        if self.num_workers < 2:
+            raise ValueError("--sequence-parallel needs --num-workers >= 2 (it shards tokens over the TP ranks)")
+        clash = [
+            name
+            for name, on in (
+                ("--device xla", self.device == "xla"),
+                ("bucketing", self.bucketing),
+                ("speculative decoding", self.speculative is not None),
+                ("prefill/decode disaggregation", self.role != "both"),
+                ("LoRA adapters", self.enable_lora),
+                ("expert parallelism", self.enable_expert_parallel),
+                ("the embed task", self.task == "embed"),
+                ("tensor snapshots", bool(self.snapshot)),
+            )
+            if on
+        ]
+        if clash:
+            raise ValueError(f"--sequence-parallel is not supported with {clash[0]}")
 
     def _check_bus(self) -> None:
         """The bus host is advertised to peers and bound: a wildcard or a name is refused here."""

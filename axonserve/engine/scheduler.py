@@ -100,6 +100,7 @@ class Scheduler:
         self._in_flight: collections.deque[tuple[list[Request], list[tuple[Request, int]]]] = collections.deque()
         self._step_id = self._step_base = 0
         self.num_forwards = 0  # model forwards of the plans made (multi-step plans run several)
+        self.num_sp_forwards = 0  # of those, forwards the ranks ran sequence-parallel
         self._seq = itertools.count()
         self._order: dict[str, tuple] = {}
         self.num_preemptions = 0
@@ -531,6 +532,7 @@ class Scheduler:
 
     def update(self, result: StepResult) -> list[RequestDelta]:
         """Apply sampled tokens; return the deltas to send (finished ones included)."""
+        self.num_sp_forwards += result.sp_forwards
         if result.new_shapes:
             self.shapes.update(tuple(x) for x in result.new_shapes)
         for pl in result.prompt_logprobs:
@@ -689,6 +691,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_steps=self._step_id - self._step_base,
             num_forwards=self.num_forwards,
+            sequence_parallel_forwards=self.num_sp_forwards,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             num_shapes=len(self.shapes),

@@ -28,6 +28,7 @@ from axonserve.config import EngineConfig
 from axonserve.engine import sliding_window
 from axonserve.engine.buckets import BucketConfig
 from axonserve.multimodal.worker import ImageEncoderCache, RequestImages, batch_rows
+from axonserve.neuron import sequence_parallel
 from axonserve.neuron.config import ModelConfig
 from axonserve.neuron.kv_transfer import export_kv, import_kv
 from axonserve.neuron.loader import load_model
@@ -155,6 +156,7 @@ class ModelRunner:
             )
             self.model = load_model(self.model_config, self.dtype, progress=rank == 0, quantization=config.quantization)
             self.kv_caches = kv.result() if kv is not None else []
+        sequence_parallel.configure(config, self.model)  # --sequence-parallel: refuses what it cannot run
         self.result_tensors: list[torch.Tensor] = []  # extra frames the last StepResult's TensorRefs name
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self.native = native.for_dtype(self.dtype)  # fused C++ kernels (None: the torch path)
@@ -313,6 +315,7 @@ class ModelRunner:
             )
             return StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}")
         result.forward_s = time.perf_counter() - t0 - result.sample_s
+        result.sp_forwards = sequence_parallel.take_forwards()
         return result
 
     def drop_all(self) -> None:

@@ -311,6 +311,7 @@ class EngineStats(_Msg, tag=13):
     # multimodal: images seen, of which served by the encoder cache (the encoder router's)
     mm_images: int = 0
     mm_cache_hits: int = 0
+    sequence_parallel_forwards: int = 0  # forwards that ran sequence-parallel (--sequence-parallel)
 
 
 class EngineDead(_Msg, tag=12):
@@ -412,6 +413,7 @@ class StepResult(_Msg, tag=21):
     # persistent compile-cache hits since then (the scheduler forwards them as CompileStats)
     compile_s: list[float] = []
     compile_cache_hits: int = 0
+    sp_forwards: int = 0  # forwards this step ran sequence-parallel (neuron/sequence_parallel.py)
 
 
 class DraftRequest(_Msg, tag=22):

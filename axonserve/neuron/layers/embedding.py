@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from axonserve.neuron.layers.linear import linear
-from axonserve.neuron.parallel import TPInfo, tp_all_gather_last, tp_all_reduce
+from axonserve.neuron.parallel import TPInfo, tp_all_gather_last, tp_reduce
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -30,7 +30,7 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.start
         valid = (local >= 0) & (local < self.shard)
         y = F.embedding(local.clamp(0, self.shard - 1), self.weight) * valid.unsqueeze(-1)
-        return tp_all_reduce(y)
+        return tp_reduce(y)  # all-reduce (reduce-scatter along tokens when sequence-parallel)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

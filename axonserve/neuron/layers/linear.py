@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axonserve.neuron.parallel import TPInfo, tp_all_reduce
+from axonserve.neuron.parallel import TPInfo, tp_reduce
 
 if TYPE_CHECKING:
     from axonserve.neuron.layers.quant import QuantizedWeight
@@ -131,7 +131,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.bias if TPInfo.rank == 0 else None, self.qweight)
-        return tp_all_reduce(y)
+        return tp_reduce(y)  # all-reduce (reduce-scatter along tokens when sequence-parallel)
 
 
 def default_weight_loader(param: nn.Parameter, w: torch.Tensor, shard: str | int | None = None) -> None:

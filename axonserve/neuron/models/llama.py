@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from axonserve.neuron import sequence_parallel
 from axonserve.neuron.config import ModelConfig
 from axonserve.neuron.layers.activation import silu_and_mul
 from axonserve.neuron.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -151,6 +152,8 @@ class LlamaModel(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """inputs_embeds: the embedded batch when a caller replaced some rows (LLaVA's images)."""
+        if sequence_parallel.takes(positions.shape[0]):  # a long prefill over TP ranks, tokens sharded
+            return sequence_parallel.forward(self, input_ids, positions, kv_caches, meta, inputs_embeds)
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if fused.takes(meta, x) and fused.enabled():
             key = fused.cache_key(kv_caches)
