@@ -388,6 +388,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.speculative.validate()
             if self.bucketing:
                 raise ValueError("speculative decoding is not supported in bucketing mode yet")
+        from axonserve.lora.checks import check_engine_config  # (no torch)
+
+        check_engine_config(self)
 
     def _check_bus(self) -> None:
         """The bus host is advertised to peers and bound: a wildcard or a name is refused here."""

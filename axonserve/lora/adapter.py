@@ -212,3 +212,9 @@ def read_adapter_config(path: str, max_lora_rank: int, model: ModelConfig | None
     _check_tensors(weights, r, targets, model)
     scaling = float(alpha) / (math.sqrt(r) if cfg.get("use_rslora") else r)
     return AdapterConfig(path=path, rank=r, alpha=float(alpha), scaling=scaling, target_modules=targets)
+
+
+def lora_key(spec: Any) -> tuple[str, int, str, str]:
+    """A request's adapter as a prefix-cache extra key and an identity for slot accounting (a
+    `LoraSpec`): two adapters never share KV blocks, nor an adapter and the base model."""
+    return ("lora", spec.lora_id, spec.name, spec.path)

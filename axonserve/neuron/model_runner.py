@@ -45,6 +45,7 @@ from axonserve.neuron.sampler import Sampler, greedy_ids
 from axonserve.neuron.snapshot import StepSnapshots, contiguous_rows, padded_rows
 from axonserve.protocol import tensor_ref
 from axonserve.protocol.messages import (
+    LoraSpec,
     NewRequestData,
     PoolingParams,
     PromptLogprobs,
@@ -75,6 +76,7 @@ class RequestState:
     pooling: PoolingParams | None = None  # embed task: pooled once its whole prompt ran
     images: RequestImages | None = None  # multimodal: placeholder positions and their features
     kv_export: bool = False  # P/D prefill: its prompt KV leaves with its first token
+    lora: LoraSpec | None = None  # its LoRA adapter (None: the base model)
 
 
 def mem_available_bytes() -> int:
@@ -156,6 +158,13 @@ class ModelRunner:
         self.result_tensors: list[torch.Tensor] = []  # extra frames the last StepResult's TensorRefs name
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self.native = native.for_dtype(self.dtype)  # fused C++ kernels (None: the torch path)
+        self.lora = None  # --enable-lora: adapter slots on the model's layers (axonserve/lora)
+        if config.enable_lora:
+            from axonserve.lora.manager import LoraManager
+
+            self.lora = LoraManager(
+                self.model, self.model_config, self.dtype, config.max_loras, config.max_lora_rank, config.max_cpu_loras
+            )
         self.requests: dict[str, RequestState] = {}
         self.snapshots = StepSnapshots.from_config(self.model, config.snapshot, rank)  # --snapshot capture
         # vision-language models: images of requests whose plan brings pixels are encoded here
@@ -337,6 +346,7 @@ class ModelRunner:
                 params=nr.params,
                 generator=torch.Generator().manual_seed(seed) if seed is not None else None,
                 pooling=nr.pooling,
+                lora=nr.lora,
             )
             if nr.mm is not None:
                 if self.images is None:
@@ -424,6 +434,8 @@ class ModelRunner:
             native=self.native,
             trees=trees,
         )
+        if self.lora is not None:  # every adapter the step needs in a slot; its rows mapped to them
+            self.lora.prepare(flat)
         if self.snapshots is not None:
             self.snapshots.begin(plan.step_id, contiguous_rows(flat), torch.tensor(input_ids), meta.positions)
         mm = {}
@@ -488,6 +500,8 @@ class ModelRunner:
             active = sts[:m]
             meta = run.meta(s, m)
             ids = torch.tensor([st.token_ids[-1] for st in active])
+            if self.lora is not None:
+                self.lora.prepare([(st, 1) for st in active])
             logits = self.model.compute_logits(self.model(ids, meta.positions, self.kv_caches, meta))
             t0 = time.perf_counter()
             toks = tp_broadcast_ids(greedy_ids(logits).tolist() if greedy else self.sampler(logits, active)[0])
