@@ -5,10 +5,12 @@ from __future__ import annotations
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_adapter(base_dir: str, out_dir: str, r: int = 8, targets=ALL, seed: int = 0, alpha: int = 16) -> str:
+def make_adapter(
+    base_dir: str, out_dir: str, r: int = 8, targets=ALL, seed: int = 0, alpha: int = 16, std: float = 0.05
+) -> str:
     """A PEFT LoRA with random A and B (init_lora_weights=False: B is not zero, so outputs move),
-    saved as safetensors. B is rescaled so the adapter shifts logits clearly without swamping the
-    base model."""
+    saved as safetensors. A and B are redrawn N(0, std) so the adapter shifts the logits clearly
+    without swamping the base model."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -20,7 +22,7 @@ def make_adapter(base_dir: str, out_dir: str, r: int = 8, targets=ALL, seed: int
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
-                p.normal_(0, 0.05 if "lora_A" in name else 0.05)
+                p.normal_(0, std)
     model.save_pretrained(out_dir)
     return out_dir
 
