@@ -77,7 +77,9 @@ def bad_adapters(tmp_path_factory, model_dir) -> dict[str, str]:
     junk = make_adapter(model_dir, str(root / "junk"), 6)
     with open(os.path.join(junk, "adapter_config.json"), "w") as f:
         f.write("{not json")
-    return {"rank": high, "missing": missing, "junk": junk, "nowhere": str(root / "does-not-exist")}
+    other = make_tiny_model(str(root / "other-base"), "LlamaForCausalLM", intermediate_size=96)
+    shape = make_adapter(other, str(root / "other-shape"), 7)  # made for another base model
+    return {"rank": high, "missing": missing, "junk": junk, "shape": shape, "nowhere": str(root / "does-not-exist")}
 
 
 def transformers_texts(model_dir: str, adapter: str | None, n: int = N_NEW) -> dict[str, str]:
@@ -209,6 +211,7 @@ def test_startup_modules_are_validated(model_dir, adapters, bad_adapters):
         ([f"a={bad_adapters['missing']}"], "adapter_model.safetensors"),
         ([f"a={bad_adapters['junk']}"], "not valid JSON"),
         ([f"a={bad_adapters['nowhere']}"], "not a directory"),
+        ([f"a={bad_adapters['shape']}"], "the base model needs"),
         ([f"tiny={adapters['a']}"], "base model"),
         ([f"a={adapters['a']}", f"a={adapters['b']}"], "twice"),
     ]
@@ -352,6 +355,7 @@ def test_bad_adapters_are_400_and_the_server_keeps_serving(http, bad_adapters, a
         ({"lora_name": "bad", "lora_path": bad_adapters["missing"]}, 400, "adapter_model.safetensors"),
         ({"lora_name": "bad", "lora_path": bad_adapters["junk"]}, 400, "not valid json"),
         ({"lora_name": "bad", "lora_path": bad_adapters["nowhere"]}, 400, "not a directory"),
+        ({"lora_name": "bad", "lora_path": bad_adapters["shape"]}, 400, "the base model needs"),
         ({"lora_name": "bad", "lora_path": "x" * 5000}, 400, "adapter path"),
         ({"lora_name": "tiny", "lora_path": adapters["c"]}, 400, "base model"),
         ({"lora_name": "a b", "lora_path": adapters["c"]}, 400, "adapter name"),
