@@ -128,8 +128,8 @@ def test_smollm2_mixed_adapters(smollm2_dir, tmp_path):
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     prompts = [tok.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
     ads = {
-        "a": make_adapter(smollm2_dir, str(tmp_path / "a"), r=8, seed=3, std=0.02),
-        "b": make_adapter(smollm2_dir, str(tmp_path / "b"), r=4, targets=["q_proj", "v_proj"], seed=4, std=0.02),
+        "a": make_adapter(smollm2_dir, str(tmp_path / "a"), r=8, seed=3),
+        "b": make_adapter(smollm2_dir, str(tmp_path / "b"), r=4, targets=["q_proj", "v_proj"], seed=4),
     }
     refs = references(smollm2_dir, {**ads, "base": None}, prompts)
     la, lb = LoRARequest("a", 1, ads["a"]), LoRARequest("b", 2, ads["b"])
