@@ -603,6 +603,17 @@ class Scheduler:
             elif rid in eagle and running:
                 self.take_drafts(req, eagle[rid], trees.get(rid))
             deltas.append(delta)
+        for rid, why in zip(result.failed_request_ids, result.failed_errors):  # (its LoRA adapter)
+            req = self.requests.get(rid)
+            if req is None or req.status == Status.FINISHED:
+                continue
+            req.finish_reason = "error"
+            deltas.append(
+                RequestDelta(
+                    rid, finish_reason="error", error=why, error_code=400, num_prompt_tokens=req.num_prompt_tokens
+                )
+            )
+            self._finish(req)
         for rid in result.pooled_request_ids:  # their vectors travel as frames (scheduler_actor)
             req = self.requests.get(rid)
             if req is None or req.status != Status.RUNNING:  # aborted meanwhile

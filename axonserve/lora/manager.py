@@ -21,7 +21,7 @@ import torch
 from axonserve.lora.adapter import _TENSOR_RE, WEIGHTS_NAME, read_adapter_config
 from axonserve.lora.layers import LoraBatch, LoraSlots
 from axonserve.neuron.config import ModelConfig
-from axonserve.neuron.parallel import TPInfo
+from axonserve.neuron.parallel import TPInfo, tp_min
 
 log = structlog.get_logger()
 
@@ -36,6 +36,12 @@ FUSED = {
     "down_proj": "mlp.down_proj",
 }
 Key = tuple[int, str]  # (lora_id, path)
+
+
+def _key(spec: Any) -> Key:
+    return (spec.lora_id, spec.path)
+
+
 # per decoder layer: fused layer path -> module -> (A shard, scaled B shard)
 Weights = list[dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]]
 
@@ -96,26 +102,44 @@ class LoraManager:
 
     # ------------------------------------------------------------------ per step
 
-    def prepare(self, work: list[tuple[Any, int]]) -> None:
-        """Put every adapter the step's requests (state with `.lora`, tokens) need into a slot and
-        map the step's token rows onto the slots."""
-        keys = [(st.lora.lora_id, st.lora.path) if st.lora is not None else None for st, _ in work]
-        needed = {k for k in keys if k is not None}
-        if len(needed) > self.max_loras:
-            raise RuntimeError(f"a step needs {len(needed)} adapters but max_loras is {self.max_loras}")
-        slot_of: dict[Key, int] = {}
-        for st, _ in work:
-            if st.lora is None:
+    def load(self, states: list[Any]) -> dict[str, str]:
+        """Put every adapter the step's requests (states with `.lora`) need into a slot. Returns
+        request id -> error for requests whose adapter cannot be loaded (they are left out of the
+        step and end with that error); every rank agrees on it, so all run the same batch."""
+        keys = {_key(st.lora) for st in states if st.lora is not None and st.lora_error is None}
+        if len(keys) > self.max_loras:
+            raise RuntimeError(f"a step needs {len(keys)} adapters but max_loras is {self.max_loras}")
+        bad: dict[Key, str] = {}
+        for st in states:
+            if st.lora is None or st.lora_error is not None:
                 continue
-            k = (st.lora.lora_id, st.lora.path)
-            if k not in slot_of:
-                slot_of[k] = self._slot(k, needed)
-        self.batch.set_rows([slot_of[k] if k is not None else -1 for k in keys], [n for _, n in work])
+            k = _key(st.lora)
+            if k in self.slots:
+                self.slots.move_to_end(k)
+            elif k not in bad:
+                err = self._fill_slot(k, keys)
+                if err is not None:
+                    bad[k] = err
+            st.lora_error = bad.get(k)
+        return {st.request_id: st.lora_error for st in states if st.lora_error is not None}
 
-    def _slot(self, key: Key, needed: set[Key]) -> int:
-        if key in self.slots:
-            self.slots.move_to_end(key)
-            return self.slots[key]
+    def map_rows(self, work: list[tuple[Any, int]]) -> None:
+        """Map the step's token rows (requests in row order, tokens each) onto their slots."""
+        self.batch.set_rows(
+            [self.slots[_key(st.lora)] if st.lora is not None else -1 for st, _ in work], [n for _, n in work]
+        )
+
+    def _fill_slot(self, key: Key, needed: set[Key]) -> str | None:
+        """Load `key` into a free slot or the least recently used one this step does not need;
+        the reason it cannot be loaded (on this rank or another), or None."""
+        err = None
+        try:
+            weights = self._weights(key)
+        except Exception as e:  # noqa: BLE001 - a hostile or changed adapter must not take the rank down
+            err = str(e) if isinstance(e, ValueError) else f"the adapter could not be loaded: {type(e).__name__}"
+            log.warning("lora.load_failed", lora_id=key[0], path=key[1], error=repr(e))
+        if tp_min(0 if err else 1) == 0:  # (ranks load in the same order: this pairs up)
+            return err or "the adapter could not be loaded on another tensor-parallel rank"
         used = set(self.slots.values())
         free = [s for s in range(self.max_loras) if s not in used]
         if free:
@@ -123,13 +147,12 @@ class LoraManager:
         else:
             victim = next(k for k in self.slots if k not in needed)  # (len(needed) <= max_loras)
             slot = self.slots.pop(victim)
-        weights = self._weights(key)
         for layer, slots in zip(weights, self.layers):
             for path, s in slots.items():
                 s.load(slot, layer.get(path, {}))
         self.slots[key] = slot
         log.info("lora.slot_loaded", lora_id=key[0], slot=slot)
-        return slot
+        return None
 
     def _weights(self, key: Key) -> Weights:
         if key in self.cpu:

@@ -77,6 +77,7 @@ class RequestState:
     images: RequestImages | None = None  # multimodal: placeholder positions and their features
     kv_export: bool = False  # P/D prefill: its prompt KV leaves with its first token
     lora: LoraSpec | None = None  # its LoRA adapter (None: the base model)
+    lora_error: str | None = None  # its adapter failed to load here: it is skipped until dropped
 
 
 def mem_available_bytes() -> int:
@@ -368,7 +369,15 @@ class ModelRunner:
         return scheduled
 
     def _execute(self, plan: StepPlan) -> StepResult:
-        work = self._work(plan, self._apply_diff(plan))
+        scheduled = self._apply_diff(plan)
+        # LoRA: adapters into slots; a request whose adapter failed to load ends with its error
+        failed = self.lora.load(scheduled) if self.lora is not None else {}
+        result = self._execute_work(plan, self._work(plan, scheduled, skip=failed))
+        if failed:
+            result.failed_request_ids, result.failed_errors = list(failed), list(failed.values())
+        return result
+
+    def _execute_work(self, plan: StepPlan, work: list[tuple[RequestState, int]]) -> StepResult:
         drafts = plan.draft_token_ids
         if not work:
             return StepResult(step_id=plan.step_id)
@@ -382,13 +391,15 @@ class ModelRunner:
             return self._execute_bucketed(plan, work, self.buckets)
         return self._execute_flat(plan, work)
 
-    def _work(self, plan: StepPlan, scheduled: list[RequestState]) -> list[tuple[RequestState, int]]:
+    def _work(
+        self, plan: StepPlan, scheduled: list[RequestState], skip: dict[str, str] | None = None
+    ) -> list[tuple[RequestState, int]]:
         """(request, tokens this step) for each request with tokens scheduled, checked against
-        what the request knows (its tokens, the plan's drafts) and max_model_len."""
+        what the request knows (its tokens, the plan's drafts) and max_model_len; `skip`: ids left out."""
         drafts = plan.draft_token_ids
         work = []
         for st, n in zip(scheduled, plan.num_scheduled_tokens):
-            if n <= 0:
+            if n <= 0 or (skip and st.request_id in skip):
                 continue
             c, k = st.num_computed_tokens, len(drafts.get(st.request_id, ()))
             if plan.multi_step:  # its last n - 1 tokens are its own samples, known once they are made
@@ -434,8 +445,8 @@ class ModelRunner:
             native=self.native,
             trees=trees,
         )
-        if self.lora is not None:  # every adapter the step needs in a slot; its rows mapped to them
-            self.lora.prepare(flat)
+        if self.lora is not None:  # the step's rows mapped to their adapters' slots
+            self.lora.map_rows(flat)
         if self.snapshots is not None:
             self.snapshots.begin(plan.step_id, contiguous_rows(flat), torch.tensor(input_ids), meta.positions)
         mm = {}
@@ -501,7 +512,7 @@ class ModelRunner:
             meta = run.meta(s, m)
             ids = torch.tensor([st.token_ids[-1] for st in active])
             if self.lora is not None:
-                self.lora.prepare([(st, 1) for st in active])
+                self.lora.map_rows([(st, 1) for st in active])
             logits = self.model.compute_logits(self.model(ids, meta.positions, self.kv_caches, meta))
             t0 = time.perf_counter()
             toks = tp_broadcast_ids(greedy_ids(logits).tolist() if greedy else self.sampler(logits, active)[0])

@@ -412,6 +412,10 @@ class StepResult(_Msg, tag=21):
     # persistent compile-cache hits since then (the scheduler forwards them as CompileStats)
     compile_s: list[float] = []
     compile_cache_hits: int = 0
+    # requests the step could not run (their LoRA adapter failed to load on a rank): each ends with
+    # its error (400); the rest of the step ran
+    failed_request_ids: list[str] = []
+    failed_errors: list[str] = []
 
 
 class DraftRequest(_Msg, tag=22):

@@ -145,3 +145,65 @@ def test_smollm2_mixed_adapters(smollm2_dir, tmp_path):
         outs = llm.generate(prompts * 3, greedy(), lora_request=[la] * 2 + [lb] * 2 + [None] * 2)
         assert [o.outputs[0].token_ids for o in outs] == refs["a"] + refs["b"] + refs["base"]
     assert os.path.isdir(ads["a"])
+
+
+@pytest.mark.timeout(600)
+async def test_adapter_failing_on_the_ranks_fails_only_its_requests(tiny_llama_dir, adapters, tmp_path):
+    """An adapter that no longer loads where the ranks read it (moved or corrupted after the
+    frontend checked it) ends its own requests with a 400 error; the other requests of the same
+    steps, on the base model and on a good adapter, complete correctly, and the engine keeps serving."""
+    import asyncio
+
+    from axonserve.actors.supervisor import Supervisor
+    from axonserve.config import EngineConfig
+    from axonserve.frontends.client import AsyncEngineClient
+    from axonserve.protocol.messages import LoraSpec
+
+    refs = references(tiny_llama_dir, {"a": adapters["a"], "base": None}, PROMPTS[:1])
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        data = (open(os.path.join(adapters["a"], name), "rb")).read()
+        (corrupt / name).write_bytes(data[: len(data) // 2] if name.endswith(".safetensors") else data)
+    config = EngineConfig(
+        model=tiny_llama_dir,
+        enable_lora=True,
+        num_workers=2,  # both ranks must agree to skip the request
+        max_loras=2,
+        max_lora_rank=8,
+        block_size=4,
+        num_kv_blocks=128,
+        log_level="warning",
+    )
+    sup = Supervisor(config, frontend=False)
+    await sup.start()
+    client = await AsyncEngineClient.connect(sup.addresses.engine, timeout=60)
+    try:
+
+        async def run(lora: LoraSpec | None) -> tuple[list[int], str | None, int]:
+            toks, err, code = [], None, 0
+            async for out in client.generate(PROMPTS[0], greedy(), lora=lora):
+                toks.extend(out.token_ids)
+                err, code = err or out.error, code or out.error_code
+            return toks, err, code
+
+        good = LoraSpec("a", 1, adapters["a"])
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                run(good),
+                run(LoraSpec("gone", 2, str(tmp_path / "nowhere"))),
+                run(None),
+                run(LoraSpec("bad", 3, str(corrupt))),
+            ),
+            240,
+        )
+        assert results[0][:2] == (refs["a"][0], None)
+        assert results[2][:2] == (refs["base"][0], None)
+        assert results[1][0] == [] and "not a directory" in results[1][1] and results[1][2] == 400
+        assert results[3][0] == [] and results[3][1] and results[3][2] == 400
+        # still serving, the good adapter included
+        assert (await run(good))[:2] == (refs["a"][0], None)
+        assert (await run(None))[:2] == (refs["base"][0], None)
+    finally:
+        client.close()
+        await sup.stop("test done")

@@ -84,3 +84,30 @@ def test_preempted_request_resumes_with_its_adapter():
     assert s.num_preemptions > 0 and set(finish) == {"a", "b"}
     resent = [n for p in plans[1:] for n in p.new]
     assert resent and all(n.lora == {"a": A, "b": B}[n.request_id] for n in resent)
+
+
+def test_request_whose_adapter_failed_on_the_ranks_ends_with_400():
+    from axonserve.engine.step import result_problem
+    from axonserve.protocol.messages import StepResult
+
+    s, w = make(max_loras=2), Worker()
+    s.add(lreq("ok", 3, A))
+    s.add(lreq("bad", 3, B))
+    plan = s.schedule()
+    res = w.run(plan)
+    keep = [i for i, rid in enumerate(res.request_ids) if rid != "bad"]
+    res = StepResult(
+        plan.step_id,
+        [res.request_ids[i] for i in keep],
+        [res.sampled_token_ids[i] for i in keep],
+        failed_request_ids=["bad"],
+        failed_errors=["cannot read adapter"],
+    )
+    assert result_problem(plan, res) is None
+    deltas = {d.request_id: d for d in s.update(res)}
+    assert deltas["bad"].finish_reason == "error" and deltas["bad"].error_code == 400
+    assert deltas["bad"].error == "cannot read adapter" and "bad" not in s.requests
+    assert deltas["ok"].finish_reason is None and "ok" in s.requests
+    assert "bad" in s.schedule().finished_request_ids  # the ranks drop its state
+    bogus = StepResult(plan.step_id, failed_request_ids=["never-planned"], failed_errors=["x"])
+    assert result_problem(plan, bogus) is not None
