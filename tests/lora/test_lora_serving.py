@@ -372,6 +372,24 @@ def test_bad_adapters_are_400_and_the_server_keeps_serving(http, bad_adapters, a
     assert completion_text(http, "a", PROMPTS[0]) == want["a"][PROMPTS[0]]
 
 
+@pytest.mark.timeout(300)
+def test_adapter_broken_after_loading_fails_only_its_requests(http, adapters, want, tmp_path):
+    """A directory that passed the load check and is then corrupted (or moved) before a rank reads
+    its weights: that request is a 400 error JSON, streamed or not, and everyone else is served."""
+    import shutil
+
+    path = shutil.copytree(adapters["c"], str(tmp_path / "d"))
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "d", "lora_path": path}).status_code == 200
+    with open(os.path.join(path, "adapter_model.safetensors"), "r+b") as f:
+        f.truncate(64)
+    assert_error(complete(http, "d", PROMPTS[0]), 400)
+    r = complete(http, "d", PROMPTS[0], stream=True)
+    assert_error(r, 400)
+    assert completion_text(http, "a", PROMPTS[0]) == want["a"][PROMPTS[0]]
+    assert completion_text(http, "tiny", PROMPTS[0]) == want[None][PROMPTS[0]]
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "d"}).status_code == 200
+
+
 @pytest.mark.timeout(600)
 def test_two_ranks_serve_adapters(model_dir, adapters, want):
     """Tensor parallel over 2 ranks, two adapters and the base model at once; without runtime
