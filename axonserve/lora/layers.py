@@ -22,11 +22,15 @@ import torch
 
 from axonserve.neuron.parallel import TPInfo
 
+MAX_RUNS = 4  # a slot whose rows form more runs than this is gathered (index_select + index_add_)
+
 
 @dataclass
 class LoraBatch:
-    """Which token rows of the current step run which slot: (slot, rows), rows a slice when the
-    slot's rows are contiguous (no gather), else an index tensor. Empty: a base-only step."""
+    """Which token rows of the current step run which slot: (slot, rows), rows a slice for each
+    contiguous run of the slot's rows (no gather; the runner puts one adapter's decodes side by
+    side, so a slot usually has a run of decodes and one per prefill chunk), or one index tensor
+    when the rows are scattered. Empty: a base-only step."""
 
     segments: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
 
@@ -40,8 +44,10 @@ class LoraBatch:
             if s < 0:
                 continue
             idx = np.flatnonzero(per_row == s)
-            if idx[-1] - idx[0] + 1 == len(idx):
-                self.segments.append((int(s), slice(int(idx[0]), int(idx[-1]) + 1)))
+            cuts = np.flatnonzero(np.diff(idx) != 1) + 1  # where a new run starts
+            if len(cuts) < MAX_RUNS:
+                for run in np.split(idx, cuts):
+                    self.segments.append((int(s), slice(int(run[0]), int(run[-1]) + 1)))
             else:
                 self.segments.append((int(s), torch.from_numpy(idx)))
 

@@ -129,6 +129,11 @@ class LoraManager:
             [self.slots[_key(st.lora)] if st.lora is not None else -1 for st, _ in work], [n for _, n in work]
         )
 
+    def row_order(self, item: tuple[Any, int]) -> int:
+        """Sort key that puts one adapter's rows side by side (the runner's decodes): its slot."""
+        st = item[0]
+        return -1 if st.lora is None else self.slots[_key(st.lora)]
+
     def _fill_slot(self, key: Key, needed: set[Key]) -> str | None:
         """Load `key` into a free slot or the least recently used one this step does not need;
         the reason it cannot be loaded (on this rank or another), or None."""

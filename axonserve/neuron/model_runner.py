@@ -420,11 +420,10 @@ class ModelRunner:
         # flat batch: decodes (1 token) first, then verifications (1 + k tokens) by length (equal
         # ones share one attention call), then prefill chunks; plan order kept within each group
         verifying = sorted((w for w in work if w[0].request_id in drafts), key=lambda w: w[1])
-        flat = (
-            [w for w in work if w[1] == 1]
-            + verifying
-            + [w for w in work if w[1] != 1 and w[0].request_id not in drafts]
-        )
+        decodes = [w for w in work if w[1] == 1]
+        if self.lora is not None:  # one adapter's decodes side by side: one slice each, no gather
+            decodes.sort(key=self.lora.row_order)
+        flat = decodes + verifying + [w for w in work if w[1] != 1 and w[0].request_id not in drafts]
         input_ids: list[int] = []
         last_tok: dict[str, int] = {}
         for st, n in flat:

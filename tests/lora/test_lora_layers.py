@@ -93,3 +93,20 @@ def test_adapter_that_fails_to_load_is_reported_per_request(tiny_llama_dir, adap
     failed = r.lora.load([good, gone, state("base", [5, 6], None)])
     assert list(failed) == ["x"] and "not a directory" in failed["x"]
     assert r.lora.load([gone]) == failed  # sticky: the request stays failed until it is dropped
+
+
+def test_scattered_rows_are_gathered(tiny_llama_dir, adapters):
+    """Five runs of adapter rows (more than MAX_RUNS) take the gather path; same logits."""
+    from axonserve.lora.layers import MAX_RUNS
+
+    r = runner(tiny_llama_dir, max_loras=2)
+    A = LoraSpec("a", 1, adapters["a"])
+    prompts = [[7 + i, 300 + i, 41] for i in range(MAX_RUNS + 1)]
+    seqs = []
+    for i, p in enumerate(prompts):
+        seqs += [(state(f"a{i}", p, A), p), (state(f"x{i}", p, None), p)]
+    got = batch_logits(r, seqs)
+    assert any(not isinstance(rows, slice) for _, rows in r.lora.batch.segments)
+    for i, p in enumerate(prompts):
+        torch.testing.assert_close(got[2 * i], hf_logits(tiny_llama_dir, adapters["a"], p), atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(got[2 * i + 1], hf_logits(tiny_llama_dir, None, p), atol=2e-4, rtol=1e-4)
