@@ -2,9 +2,10 @@
 
 __version__ = "0.1.0"
 
+from axonserve.lora.request import LoRARequest  # noqa: E402
 from axonserve.protocol.messages import SamplingParams  # noqa: E402
 
-__all__ = ["SamplingParams", "LLM", "__version__"]
+__all__ = ["SamplingParams", "LLM", "LoRARequest", "__version__"]
 
 
 def __getattr__(name: str):

@@ -217,6 +217,27 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="MoE: split the experts over the ranks (all-to-all dispatch) instead of sharding each",
     )
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="multi-LoRA serving: requests pick a PEFT LoRA adapter by `model` name (axonserve/lora)",
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help='adapters served from the start: name=path, or vLLM\'s JSON \'{"name": "a", "path": "/p", '
+        '"base_model_name": "..."}\' (needs --enable-lora; each directory is validated at start-up)',
+    )
+    p.add_argument("--max-loras", type=int, default=1, help="distinct adapters one step may run (the ranks' slots)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="adapters of a higher rank r are refused")
+    p.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=0,
+        help="adapters kept loaded in host memory, least recently used evicted (0: --max-loras)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -437,7 +458,7 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
 
     apply_bucket_file(args)  # before the model: a bad file fails at once
     model_dir = resolve_model(args.model)
-    return EngineConfig(
+    config = EngineConfig(
         model=model_dir,
         served_model_name=args.served_model_name or args.model,
         task=requested_task(args.task, args.runner),  # resolved against the model by EngineConfig
@@ -469,6 +490,10 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         num_workers=args.num_workers,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
         enable_expert_parallel=args.enable_expert_parallel,
         sequence_parallel=args.sequence_parallel,
         sequence_parallel_threshold=args.sequence_parallel_threshold,
@@ -503,6 +528,18 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         speculative=args.speculative_config,
         **extra,
     )
+    if args.lora_modules:  # every adapter directory validated now: a bad one fails start-up (exit 2)
+        from axonserve.lora.registry import check_startup_modules
+
+        modules = check_startup_modules(
+            args.lora_modules,
+            enable_lora=config.enable_lora,
+            max_lora_rank=config.max_lora_rank,
+            model_dir=model_dir,
+            base_names={config.served_model_name, model_dir},
+        )
+        config = msgspec.structs.replace(config, lora_modules=modules)
+    return config
 
 
 async def _serve(config: EngineConfig) -> int:
@@ -525,6 +562,8 @@ async def _serve(config: EngineConfig) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from axonserve.lora.registry import runtime_updating_from_env
+
     config = engine_config(
         args,
         host=args.host,
@@ -537,6 +576,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     if args.api_key:  # children inherit the environment; argv is visible to every local user
         os.environ["AXONSERVE_API_KEY"] = args.api_key
+    if args.allow_runtime_lora_updating and not config.enable_lora:
+        raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
+    # vLLM's environment switch counts only with --enable-lora: a shell that exports it for other
+    # servers must not stop one without LoRA from starting
+    runtime_lora = args.allow_runtime_lora_updating or (config.enable_lora and runtime_updating_from_env())
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     config = msgspec.structs.replace(
@@ -545,6 +589,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser or "",
         trust_request_chat_template=args.trust_request_chat_template,
         chat_template_timeout_s=args.chat_template_timeout,
+        allow_runtime_lora_updating=runtime_lora,
     )
     import uvloop
 
@@ -628,6 +673,12 @@ def main(argv: list[str] | None = None) -> None:
         choices=["hermes", "llama3_json"],
         default=None,
         help='how the model writes tool calls: hermes <tool_call>{...}</tool_call>, llama3_json {"name", "parameters"}',
+    )
+    serve.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="mount POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key); also on with "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, as in vLLM",
     )
     serve.set_defaults(func=cmd_serve)
     gen = sub.add_parser("generate", help="generate offline for prompts given on the command line")

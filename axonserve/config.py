@@ -402,6 +402,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.speculative.validate()
             if self.bucketing:
                 raise ValueError("speculative decoding is not supported in bucketing mode yet")
+        from axonserve.lora.checks import check_engine_config  # (no torch)
+
+        check_engine_config(self)
         self._check_sequence_parallel()
 
     def _check_sequence_parallel(self) -> None:

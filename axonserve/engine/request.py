@@ -11,7 +11,14 @@ import enum
 import time
 from typing import Any
 
-from axonserve.protocol.messages import KVBlocks, MultiModalInput, PoolingParams, SamplingParams, TokenLogprobs
+from axonserve.protocol.messages import (
+    KVBlocks,
+    LoraSpec,
+    MultiModalInput,
+    PoolingParams,
+    SamplingParams,
+    TokenLogprobs,
+)
 
 
 class Status(enum.IntEnum):
@@ -60,6 +67,7 @@ class Request:
         "kv_export",
         "kv",
         "kv_frames",
+        "lora",
     )
 
     def __init__(
@@ -125,6 +133,8 @@ class Request:
         self.kv_export = False
         self.kv: KVBlocks | None = None
         self.kv_frames: dict[str, Any] = {}
+        # multi-LoRA: the adapter it runs with (None: the base model); part of its prefix-cache key
+        self.lora: LoraSpec | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -38,6 +38,7 @@ from axonserve.engine.block_manager import BlockManager
 from axonserve.engine.buckets import BucketConfig
 from axonserve.engine.request import Request, Status
 from axonserve.engine.sliding_window import blocks_held
+from axonserve.lora.adapter import lora_key
 from axonserve.protocol.codec import TensorRef
 from axonserve.protocol.messages import (
     CachedRequestData,
@@ -85,6 +86,7 @@ class SchedulerConfig:
     # every layer slides within at most this many tokens: blocks past it are given back while a
     # request runs (engine/sliding_window.py); None: full attention somewhere, nothing is
     kv_window: int | None = None
+    max_loras: int = 0  # LoRA adapters one step may hold (0: LoRA off, adapter requests are refused)
 
 
 class Scheduler:
@@ -138,6 +140,8 @@ class Scheduler:
             return f"this model serves the {cfg.task} task: it does not produce embeddings"
         if req.pooling is not None:
             return self._check_pooling(req)
+        if req.lora is not None and not cfg.max_loras:
+            return "LoRA adapters are not enabled on this server (start it with --enable-lora)"
         if n >= cfg.max_model_len:
             return (
                 f"This model's maximum context length is {cfg.max_model_len} tokens. "
@@ -185,6 +189,8 @@ class Scheduler:
         return None
 
     def add(self, req: Request) -> None:
+        if req.lora is not None:  # two adapters never share KV, nor an adapter and the base model
+            req.extra_keys = (*req.extra_keys, lora_key(req.lora))
         self.requests[req.request_id] = req
         prio = req.priority if self.cfg.policy == "priority" else 0
         self._order[req.request_id] = (prio, next(self._seq))
@@ -258,9 +264,10 @@ class Scheduler:
                 break
 
         while self.waiting and budget > 0 and not preempted:
-            if len(self.running) >= cfg.max_num_seqs or self.waiting[0].num_pending:
+            at = self._next_admissible() if cfg.max_loras else 0
+            if at is None or len(self.running) >= cfg.max_num_seqs or self.waiting[at].num_pending:
                 break  # (a request preempted with a token in flight resumes once that token is back)
-            n = self._admit_head(budget)
+            n = self._admit_head(budget, at=at)
             if not n:
                 break
             scheduled.append((self.running[-1], n))
@@ -390,12 +397,22 @@ class Scheduler:
             budget -= n
         return scheduled, preempted
 
-    def _admit_head(self, budget: int, max_chunk: int | None = None) -> int:
+    def _next_admissible(self) -> int | None:
+        """LoRA: the first waiting request whose adapter keeps the running set within `max_loras`
+        distinct adapters (vLLM skips the others, which wait); None: none can run now. With nothing
+        running every request is admissible, so this never deadlocks."""
+        loaded = {lora_key(r.lora) for r in self.running if r.lora is not None}
+        for i, req in enumerate(self.waiting):
+            if req.lora is None or len(loaded) < self.cfg.max_loras or lora_key(req.lora) in loaded:
+                return i
+        return None
+
+    def _admit_head(self, budget: int, max_chunk: int | None = None, at: int = 0) -> int:
         """Move the head of the waiting queue to running with its cached prefix attached and
         KV blocks for its next chunk; returns that chunk's size, or 0 (nothing taken) when it
         must wait. With chunking off a prompt waits for a step with room, unless no step could
         ever hold it (a preempted request grown past the limit): then it is recomputed in chunks."""
-        cfg, req = self.cfg, self.waiting[0]
+        cfg, req = self.cfg, self.waiting[at]
         if req.pooling is not None:
             return self._admit_pooling(req, budget if max_chunk is None else min(budget, max_chunk))
         first_time = req.status == Status.WAITING
@@ -420,7 +437,7 @@ class Scheduler:
         if cfg.enable_prefix_caching and req.kv is None:
             self.prefix_queries += req.num_tokens
             self.prefix_hits += hit
-        self.waiting.pop(0)
+        self.waiting.pop(at)
         req.status = Status.RUNNING
         self.running.append(req)
         return min(n, limit)
@@ -471,6 +488,7 @@ class Scheduler:
                         mm=self._with_frames(req.mm, req.mm_frames) if req.mm is not None else None,
                         kv_export=req.kv_export,
                         kv=self._with_frames(req.kv, req.kv_frames) if req.kv is not None else None,
+                        lora=req.lora,
                     )
                 )
                 new_n.append(n)
@@ -592,6 +610,17 @@ class Scheduler:
             elif rid in eagle and running:
                 self.take_drafts(req, eagle[rid], trees.get(rid))
             deltas.append(delta)
+        for rid, why in zip(result.failed_request_ids, result.failed_errors):  # (its LoRA adapter)
+            req = self.requests.get(rid)
+            if req is None or req.status == Status.FINISHED:
+                continue
+            req.finish_reason = "error"
+            deltas.append(
+                RequestDelta(
+                    rid, finish_reason="error", error=why, error_code=400, num_prompt_tokens=req.num_prompt_tokens
+                )
+            )
+            self._finish(req)
         for rid in result.pooled_request_ids:  # their vectors travel as frames (scheduler_actor)
             req = self.requests.get(rid)
             if req is None or req.status != Status.RUNNING:  # aborted meanwhile

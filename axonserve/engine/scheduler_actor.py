@@ -180,6 +180,7 @@ class SchedulerActor(Actor):
                 and cfg.role == "both",
                 num_scheduler_steps=cfg.num_scheduler_steps,
                 kv_window=window,
+                max_loras=cfg.max_loras if cfg.enable_lora else 0,
             )
         ), max_len
 
@@ -398,6 +399,7 @@ class SchedulerActor(Actor):
             pooling=msg.pooling,
         )
         req.kv_export = msg.kv_export and self.config.role == "prefill"
+        req.lora = msg.lora
         if msg.output_token_ids and msg.pooling is None:  # resumed after a scheduler restart
             req.token_ids += msg.output_token_ids
         why = self.sched.check(req)

@@ -40,10 +40,15 @@ def result_problem(plan: StepPlan, r: object) -> str | None:
         (r.logprobs is not None and len(r.logprobs) != n)
         or len(r.draft_token_ids) != len(r.draft_request_ids)
         or (r.draft_parents and len(r.draft_parents) != len(r.draft_request_ids))
+        or len(r.failed_request_ids) != len(r.failed_errors)
     ):
         return "per-request lists of different lengths"
     planned = {x.request_id for x in plan.new} | {x.request_id for x in plan.cached}
-    if not planned.issuperset(r.request_ids) or not planned.issuperset(r.pooled_request_ids):
+    if (
+        not planned.issuperset(r.request_ids)
+        or not planned.issuperset(r.pooled_request_ids)
+        or not planned.issuperset(r.failed_request_ids)
+    ):
         return "ids of requests the step did not schedule"
     return None
 

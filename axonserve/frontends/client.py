@@ -41,6 +41,7 @@ from axonserve.protocol.messages import (
     EngineStats,
     GetEngineInfo,
     GetStats,
+    LoraSpec,
     Outputs,
     ParamError,
     PoolingParams,
@@ -127,6 +128,7 @@ class _Request:
     vectors: dict[str, Any] = field(default_factory=dict)  # embed: engine id -> pooled vector
     prompt_ids: list[int] = field(default_factory=list)
     images: Any = None  # (MultiModalInput, frames) of a vision-language prompt
+    lora: LoraSpec | None = None  # its LoRA adapter (kept for a resume after a scheduler restart)
 
 
 class AsyncEngineClient:
@@ -249,27 +251,38 @@ class AsyncEngineClient:
         params: SamplingParams,
         request_id: str | None = None,
         images: PromptImages | None = None,
+        lora: LoraSpec | None = None,
     ) -> AsyncGenerator[StreamOutput, None]:
         """Validate now (ParamError / EngineDeadError raised here, before any await), then
         return an async iterator of outputs. Leaving the iteration early (break, cancel,
         aclose) aborts the request on the engine. `images`: a vision-language prompt's images
-        (multimodal/frontend.py), whose placeholder runs `prompt` already holds."""
+        (multimodal/frontend.py), whose placeholder runs `prompt` already holds. `lora`: the
+        LoRA adapter to run with (a validated one: axonserve/lora/adapter.py; None: the base model)."""
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return self.generate_batch([prompt_ids], params, request_id or uuid.uuid4().hex, images)[0]
+        return self.generate_batch([prompt_ids], params, request_id or uuid.uuid4().hex, images, lora=lora)[0]
 
     def generate_batch(
-        self, prompts: list[list[int]], params: SamplingParams, request_id: str, images: PromptImages | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        request_id: str,
+        images: PromptImages | None = None,
+        lora: LoraSpec | None = None,
     ) -> list[AsyncGenerator[StreamOutput, None]]:
         """Several prompts with the same parameters (a completions request's batch): every prompt is
         validated before any starts (prompts x n within the engine's fan-out bound), then one
-        generation each, `request_id` (`<request_id>-p<j>` with several prompts). `images`: one prompt's."""
+        generation each, `request_id` (`<request_id>-p<j>` with several prompts). `images`: one prompt's.
+        `lora`: every prompt's adapter."""
         if self.dead:
             raise EngineDeadError(self.dead_reason or "engine is dead")
         ids = batch_ids(self.info, len(prompts), params.n, request_id)
         subs = [self._fan_out(p, params) for p in prompts]
         for rid in ids:
             self._refuse_in_flight(rid)
-        return [self._stream(rid, p, s, images if len(prompts) == 1 else None) for rid, p, s in zip(ids, prompts, subs)]
+        return [
+            self._stream(rid, p, s, images if len(prompts) == 1 else None, lora)
+            for rid, p, s in zip(ids, prompts, subs)
+        ]
 
     def _refuse_in_flight(self, request_id: str) -> None:
         """A client-chosen id (the API's `request_id`) may not name a request in flight here: its
@@ -449,7 +462,13 @@ class AsyncEngineClient:
                 mm, frames = req.images if req.images is not None else (None, [])
                 params = msgspec.structs.replace(choice.params, prompt_logprobs=None)  # (sent already)
                 msg = AddRequest(
-                    cid, req.prompt_ids, params, arrival_time=now, mm=mm, output_token_ids=choice.token_ids
+                    cid,
+                    req.prompt_ids,
+                    params,
+                    arrival_time=now,
+                    mm=mm,
+                    output_token_ids=choice.token_ids,
+                    lora=req.lora,
                 )
                 await self._send(msg, frames)
                 resumed += 1
@@ -473,9 +492,14 @@ class AsyncEngineClient:
         self._profile_waiters.clear()
 
     async def _stream(
-        self, request_id: str, prompt_ids: list[int], subs: list[SamplingParams], images: PromptImages | None = None
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        subs: list[SamplingParams],
+        images: PromptImages | None = None,
+        lora: LoraSpec | None = None,
     ) -> AsyncGenerator[StreamOutput, None]:
-        req = _Request()
+        req = _Request(lora=lora)
         for i, (cid, p) in enumerate(zip(_engine_ids(request_id, len(subs)), subs)):
             detok = IncrementalDetokenizer(
                 self.tokenizer,
@@ -499,7 +523,7 @@ class AsyncEngineClient:
         try:
             await self._running.wait()  # a scheduler being replaced takes it once it is back
             for (cid, choice), p in zip(req.choices.items(), subs):
-                await self._send(AddRequest(cid, prompt_ids, p, arrival_time=now, mm=mm), frames)
+                await self._send(AddRequest(cid, prompt_ids, p, arrival_time=now, mm=mm, lora=lora), frames)
                 choice.sent = True
             while open_ids:
                 delta = req.queue.get_nowait() if not req.queue.empty() else await req.queue.get()

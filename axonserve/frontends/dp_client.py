@@ -115,15 +115,20 @@ class DataParallelClient:
     # ------------------------------------------------------------------ requests
 
     def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, images: Any = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        images: Any = None,
+        lora: Any = None,
     ) -> AsyncGenerator[StreamOutput, None]:
         import uuid
 
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return self.generate_batch([prompt_ids], params, request_id or uuid.uuid4().hex, images)[0]
+        return self.generate_batch([prompt_ids], params, request_id or uuid.uuid4().hex, images, lora=lora)[0]
 
     def generate_batch(
-        self, prompts: list[list[int]], params: SamplingParams, request_id: str, images: Any = None
+        self, prompts: list[list[int]], params: SamplingParams, request_id: str, images: Any = None, lora: Any = None
     ) -> list[AsyncGenerator[StreamOutput, None]]:
         """Every prompt is validated before any starts (as AsyncEngineClient does), then each goes to
         its own engine."""
@@ -135,7 +140,7 @@ class DataParallelClient:
         for rid, p, one in zip(ids, prompts, checked):
             cost = (len(p) + (one.max_tokens or 0)) * params.n
             i = self.pick(p, cost)
-            gen = self.clients[i].generate_batch([p], params, rid, images if len(prompts) == 1 else None)[0]
+            gen = self.clients[i].generate_batch([p], params, rid, images if len(prompts) == 1 else None, lora=lora)[0]
             out.append(self._tracked(gen, i, cost))
         return out
 

@@ -17,7 +17,8 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from axonserve.config import EngineConfig, SpeculativeConfig
-from axonserve.protocol.messages import PoolingParams, SamplingParams, TokenLogprobs
+from axonserve.lora.request import LoRARequest
+from axonserve.protocol.messages import LoraSpec, PoolingParams, SamplingParams, TokenLogprobs
 
 
 @dataclass
@@ -121,26 +122,63 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt concurrently (continuous batching); outputs in input order."""
+        """Generate for every prompt concurrently (continuous batching); outputs in input order.
+        `lora_request`: one adapter for every prompt, or one (or None: the base model) per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError("sampling_params must be one or one per prompt")
+        loras = self._lora_specs(lora_request, len(prompts))
         bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm)
         try:
-            return self._call(self._generate_all(list(prompts), plist, bar))
+            return self._call(self._generate_all(list(prompts), plist, bar, loras))
         finally:
             bar.close()
 
-    async def _generate_all(self, prompts: list, plist: list[SamplingParams], bar: tqdm) -> list[RequestOutput]:
-        async def one(i: int, prompt: Any, p: SamplingParams) -> RequestOutput:
+    def _lora_specs(self, lora_request: Any, n: int) -> list[LoraSpec | None]:
+        """One LoraSpec (or None) per prompt, each adapter validated once (axonserve/lora/adapter.py)
+        before any prompt is sent."""
+        if lora_request is None:
+            return [None] * n
+        reqs = [lora_request] * n if isinstance(lora_request, LoRARequest) else list(lora_request)
+        if len(reqs) != n:
+            raise ValueError("lora_request must be one or one per prompt")
+        if any(r is not None for r in reqs) and not self.config.enable_lora:
+            raise ValueError("lora_request needs LLM(..., enable_lora=True)")
+        from axonserve.lora.adapter import read_adapter_config
+        from axonserve.neuron.config import ModelConfig
+
+        model = ModelConfig.from_dir(self.config.model)
+        checked: dict[tuple[int, str], str] = {}
+        specs: list[LoraSpec | None] = []
+        for r in reqs:
+            if r is None:
+                specs.append(None)
+                continue
+            if not isinstance(r, LoRARequest):
+                raise TypeError(f"lora_request items must be LoRARequest or None, not {type(r).__name__}")
+            spec = r.spec()
+            if checked.setdefault((spec.lora_id, spec.path), spec.name) != spec.name:
+                raise ValueError(f"lora_int_id {spec.lora_id} names two adapters")
+            if len(checked) > len({k[0] for k in checked}):
+                raise ValueError(f"lora_int_id {spec.lora_id} is used with two paths")
+            read_adapter_config(spec.path, self.config.max_lora_rank, model)
+            specs.append(spec)
+        return specs
+
+    async def _generate_all(
+        self, prompts: list, plist: list[SamplingParams], bar: tqdm, loras: list[LoraSpec | None]
+    ) -> list[RequestOutput]:
+        async def one(i: int, prompt: Any, p: SamplingParams, lora: LoraSpec | None) -> RequestOutput:
             ids = self._client.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             res = RequestOutput(str(i), prompt if isinstance(prompt, str) else None, ids)
             choices: dict[int, CompletionOutput] = {}
-            async for out in self._client.generate(ids, p, request_id=f"offline-{next(self._request_ids)}"):
+            rid = f"offline-{next(self._request_ids)}"
+            async for out in self._client.generate(ids, p, request_id=rid, lora=lora):
                 c = choices.setdefault(out.index, CompletionOutput(out.index, "", [], None))
                 c.text = out.output_text
                 c.token_ids.extend(out.token_ids)
@@ -154,7 +192,9 @@ class LLM:
             bar.update(1)
             return res
 
-        return list(await asyncio.gather(*(one(i, pr, p) for i, (pr, p) in enumerate(zip(prompts, plist)))))
+        return list(
+            await asyncio.gather(*(one(i, pr, p, lo) for i, (pr, p, lo) in enumerate(zip(prompts, plist, loras))))
+        )
 
     def embed(
         self,

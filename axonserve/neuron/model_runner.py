@@ -47,6 +47,7 @@ from axonserve.neuron.sampler import Sampler, greedy_ids
 from axonserve.neuron.snapshot import StepSnapshots, contiguous_rows, padded_rows
 from axonserve.protocol import tensor_ref
 from axonserve.protocol.messages import (
+    LoraSpec,
     NewRequestData,
     PoolingParams,
     PromptLogprobs,
@@ -77,6 +78,8 @@ class RequestState:
     pooling: PoolingParams | None = None  # embed task: pooled once its whole prompt ran
     images: RequestImages | None = None  # multimodal: placeholder positions and their features
     kv_export: bool = False  # P/D prefill: its prompt KV leaves with its first token
+    lora: LoraSpec | None = None  # its LoRA adapter (None: the base model)
+    lora_error: str | None = None  # its adapter failed to load here: it is skipped until dropped
 
 
 def mem_available_bytes() -> int:
@@ -160,6 +163,13 @@ class ModelRunner:
         self.result_tensors: list[torch.Tensor] = []  # extra frames the last StepResult's TensorRefs name
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self.native = native.for_dtype(self.dtype)  # fused C++ kernels (None: the torch path)
+        self.lora = None  # --enable-lora: adapter slots on the model's layers (axonserve/lora)
+        if config.enable_lora:
+            from axonserve.lora.manager import LoraManager
+
+            self.lora = LoraManager(
+                self.model, self.model_config, self.dtype, config.max_loras, config.max_lora_rank, config.max_cpu_loras
+            )
         self.requests: dict[str, RequestState] = {}
         self.snapshots = StepSnapshots.from_config(self.model, config.snapshot, rank)  # --snapshot capture
         # vision-language models: images of requests whose plan brings pixels are encoded here
@@ -342,6 +352,7 @@ class ModelRunner:
                 params=nr.params,
                 generator=torch.Generator().manual_seed(seed) if seed is not None else None,
                 pooling=nr.pooling,
+                lora=nr.lora,
             )
             if nr.mm is not None:
                 if self.images is None:
@@ -363,7 +374,15 @@ class ModelRunner:
         return scheduled
 
     def _execute(self, plan: StepPlan) -> StepResult:
-        work = self._work(plan, self._apply_diff(plan))
+        scheduled = self._apply_diff(plan)
+        # LoRA: adapters into slots; a request whose adapter failed to load ends with its error
+        failed = self.lora.load(scheduled) if self.lora is not None else {}
+        result = self._execute_work(plan, self._work(plan, scheduled, skip=failed))
+        if failed:
+            result.failed_request_ids, result.failed_errors = list(failed), list(failed.values())
+        return result
+
+    def _execute_work(self, plan: StepPlan, work: list[tuple[RequestState, int]]) -> StepResult:
         drafts = plan.draft_token_ids
         if not work:
             return StepResult(step_id=plan.step_id)
@@ -377,13 +396,15 @@ class ModelRunner:
             return self._execute_bucketed(plan, work, self.buckets)
         return self._execute_flat(plan, work)
 
-    def _work(self, plan: StepPlan, scheduled: list[RequestState]) -> list[tuple[RequestState, int]]:
+    def _work(
+        self, plan: StepPlan, scheduled: list[RequestState], skip: dict[str, str] | None = None
+    ) -> list[tuple[RequestState, int]]:
         """(request, tokens this step) for each request with tokens scheduled, checked against
-        what the request knows (its tokens, the plan's drafts) and max_model_len."""
+        what the request knows (its tokens, the plan's drafts) and max_model_len; `skip`: ids left out."""
         drafts = plan.draft_token_ids
         work = []
         for st, n in zip(scheduled, plan.num_scheduled_tokens):
-            if n <= 0:
+            if n <= 0 or (skip and st.request_id in skip):
                 continue
             c, k = st.num_computed_tokens, len(drafts.get(st.request_id, ()))
             if plan.multi_step:  # its last n - 1 tokens are its own samples, known once they are made
@@ -404,11 +425,10 @@ class ModelRunner:
         # flat batch: decodes (1 token) first, then verifications (1 + k tokens) by length (equal
         # ones share one attention call), then prefill chunks; plan order kept within each group
         verifying = sorted((w for w in work if w[0].request_id in drafts), key=lambda w: w[1])
-        flat = (
-            [w for w in work if w[1] == 1]
-            + verifying
-            + [w for w in work if w[1] != 1 and w[0].request_id not in drafts]
-        )
+        decodes = [w for w in work if w[1] == 1]
+        if self.lora is not None:  # one adapter's decodes side by side: one slice each, no gather
+            decodes.sort(key=self.lora.row_order)
+        flat = decodes + verifying + [w for w in work if w[1] != 1 and w[0].request_id not in drafts]
         input_ids: list[int] = []
         last_tok: dict[str, int] = {}
         for st, n in flat:
@@ -429,6 +449,8 @@ class ModelRunner:
             native=self.native,
             trees=trees,
         )
+        if self.lora is not None:  # the step's rows mapped to their adapters' slots
+            self.lora.map_rows(flat)
         if self.snapshots is not None:
             self.snapshots.begin(plan.step_id, contiguous_rows(flat), torch.tensor(input_ids), meta.positions)
         mm = {}
@@ -493,6 +515,8 @@ class ModelRunner:
             active = sts[:m]
             meta = run.meta(s, m)
             ids = torch.tensor([st.token_ids[-1] for st in active])
+            if self.lora is not None:
+                self.lora.map_rows([(st, 1) for st in active])
             logits = self.model.compute_logits(self.model(ids, meta.positions, self.kv_caches, meta))
             t0 = time.perf_counter()
             toks = tp_broadcast_ids(greedy_ids(logits).tolist() if greedy else self.sampler(logits, active)[0])

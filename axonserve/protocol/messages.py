@@ -414,6 +414,10 @@ class StepResult(_Msg, tag=21):
     compile_s: list[float] = []
     compile_cache_hits: int = 0
     sp_forwards: int = 0  # forwards this step ran sequence-parallel (neuron/sequence_parallel.py)
+    # requests the step could not run (their LoRA adapter failed to load on a rank): each ends with
+    # its error (400); the rest of the step ran
+    failed_request_ids: list[str] = []
+    failed_errors: list[str] = []
 
 
 class DraftRequest(_Msg, tag=22):

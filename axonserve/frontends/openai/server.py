@@ -30,7 +30,8 @@ from axonserve.config import EngineConfig
 from axonserve.frontends.chat_template import render_bounded, request_template
 from axonserve.frontends.client import AsyncEngineClient, EngineDeadError, RequestError, StreamOutput
 from axonserve.frontends.openai.embeddings import EmbeddingRequest, create_embeddings
-from axonserve.frontends.openai.errors import REJECT_CODES, ModelNotFound, error_for, validation_message
+from axonserve.frontends.openai.errors import REJECT_CODES, error_for, validation_message
+from axonserve.frontends.openai.lora import LoraModels, lora_kwargs, mount_lora_routes
 from axonserve.frontends.openai.middleware import AccessLog, ApiKeyAuth, BodyLimit, api_key_from_env, note_access
 from axonserve.frontends.openai.protocol import (
     ChatCompletionRequest,
@@ -47,7 +48,7 @@ from axonserve.frontends.openai.protocol import (
 from axonserve.frontends.openai.responses import ChatFormat, CompletionFormat, Format, sse_response
 from axonserve.frontends.openai.tools import plan_tools, template_messages
 from axonserve.multimodal.frontend import ImageInputs, PromptImages, has_images, take_images
-from axonserve.protocol.messages import ParamError, SamplingParams
+from axonserve.protocol.messages import LoraSpec, ParamError, SamplingParams
 from axonserve.structured_output.frontend import with_structured_outputs
 
 log = structlog.get_logger(__name__)
@@ -97,6 +98,8 @@ def build_app(
     app.state.restarting = {}  # actor -> why: being replaced by the supervisor (/health 503 meanwhile)
     model_name = client.info.served_model_name or (config and config.served_model_name) or client.info.model
     known_models = {model_name, client.info.model}
+    loras = LoraModels(cfg, model_name, known_models)  # adapters: `model` names one (frontends/openai/lora.py)
+    mount_lora_routes(app, loras)
     image_inputs = ImageInputs.load(client.info.model, client.tokenizer.hf, config) if client.info.model else None
 
     # ------------------------------------------------------------------ errors
@@ -132,9 +135,10 @@ def build_app(
 
     # ------------------------------------------------------------------ helpers
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name not in known_models:
-            raise ModelNotFound(f"The model `{name}` does not exist.")
+    def check_model(name: str | None, api: str | None = None) -> LoraSpec | None:
+        """The LoRA adapter `name` selects (None: the base model); 404 for an unknown name, 400 for
+        an adapter on a route (`api`) that serves only the base model."""
+        return loras.resolve(name, api)
 
     def unavailable() -> str | None:
         return app.state.unhealthy or (client.dead_reason if client.dead else None)
@@ -182,12 +186,16 @@ def build_app(
         return with_structured_outputs(params, body, client.tokenizer, tool_spec, limits.max_structured_output_bytes)
 
     def start(
-        prompts: list[list[int]], params: SamplingParams, rid: str, images: PromptImages | None = None
+        prompts: list[list[int]],
+        params: SamplingParams,
+        rid: str,
+        images: PromptImages | None = None,
+        lora: LoraSpec | None = None,
     ) -> list[AsyncGenerator[StreamOutput, None]]:
         reason = unavailable()
         if reason is not None:
             raise EngineDeadError(reason)
-        return client.generate_batch(prompts, params, rid, images)  # validated there, once
+        return client.generate_batch(prompts, params, rid, images, **lora_kwargs(lora))  # validated there, once
 
     # ------------------------------------------------------------------ routes
 
@@ -207,12 +215,15 @@ def build_app(
     @app.get("/v1/models")
     async def models() -> ModelList:
         return ModelList(
-            data=[ModelCard(id=model_name, root=client.info.model, max_model_len=client.info.max_model_len)]
+            data=[
+                ModelCard(id=model_name, root=client.info.model, max_model_len=client.info.max_model_len),
+                *loras.cards(),
+            ]
         )
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        check_model(body.model)
+        lora = check_model(body.model)
         client.require_task("generate", "Completions API")
         rid = request_id(body.request_id, "cmpl", limits.max_request_id_chars)
         texts = body.prompts()
@@ -221,7 +232,7 @@ def build_app(
         params = await asyncio.to_thread(constrained, body.sampling_params(), body)
         prompts = [body.truncate(ids) for ids in await tokenize(texts)]
         note_access(request_id=rid)
-        streams = start(prompts, params, rid)
+        streams = start(prompts, params, rid, lora=lora)
         echo = None
         if body.echo:
 
@@ -230,14 +241,14 @@ def build_app(
 
             long = sum(len(ids) for ids in prompts) > _LONG_ECHO_TOKENS
             echo = await asyncio.to_thread(detokenize) if long else detokenize()
-        fmt = CompletionFormat(client, rid, model_name, params, prompts, echo=echo)
+        fmt = CompletionFormat(client, rid, lora.name if lora else model_name, params, prompts, echo=echo)
         if body.stream:
             return await _stream_response(raw, fmt, streams, params.n, body.include_usage)
         return await _cancel_on_disconnect(raw, fmt.full(streams, params.n))
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        check_model(body.model)
+        lora = check_model(body.model)
         client.require_task("generate", "Chat Completions API")
         rid = request_id(body.request_id, "chatcmpl", limits.max_request_id_chars)
         if body.tools is not None and len(body.tools) > limits.max_tools:
@@ -271,15 +282,16 @@ def build_app(
             ids, images = await asyncio.get_running_loop().run_in_executor(_IMAGE_POOL, image_inputs.prepare, ids, urls)
             note_access(images=len(urls))
         note_access(request_id=rid)
-        streams = start([ids], params, rid, images)
-        fmt = ChatFormat(client, rid, model_name, params, [ids], tools=tools.formatter() if tools else None)
+        streams = start([ids], params, rid, images, lora)
+        name = lora.name if lora else model_name
+        fmt = ChatFormat(client, rid, name, params, [ids], tools=tools.formatter() if tools else None)
         if body.stream:
             return await _stream_response(raw, fmt, streams, params.n, body.include_usage)
         return await _cancel_on_disconnect(raw, fmt.full(streams, params.n))
 
     @app.post("/v1/embeddings", response_model=None)
     async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
-        check_model(body.model)
+        check_model(body.model, "Embeddings API")
         if (reason := unavailable()) is not None:
             raise EngineDeadError(reason)
         rid = request_id(body.request_id, "embd", limits.max_request_id_chars)

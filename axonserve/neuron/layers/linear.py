@@ -16,6 +16,7 @@ from torch import nn
 from axonserve.neuron.parallel import TPInfo, tp_reduce
 
 if TYPE_CHECKING:
+    from axonserve.lora.layers import LoraSlots
     from axonserve.neuron.layers.quant import QuantizedWeight
 
 
@@ -45,6 +46,7 @@ class ColumnParallelLinear(nn.Module):
 
     quantizable = True  # --quantization packs its weight into `qweight` after loading
     qweight: QuantizedWeight | None = None
+    lora: LoraSlots | None = None  # --enable-lora: adapter slots added to the output (axonserve/lora)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -58,7 +60,8 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(w.narrow(0, TPInfo.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.qweight)
+        y = linear(x, self.weight, self.bias, self.qweight)
+        return y if self.lora is None else self.lora.add(x, y)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -114,6 +117,7 @@ class RowParallelLinear(nn.Module):
 
     quantizable = True
     qweight: QuantizedWeight | None = None
+    lora: LoraSlots | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -131,6 +135,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.bias if TPInfo.rank == 0 else None, self.qweight)
+        if self.lora is not None:  # this rank's partial, before the reduction: the sum is exact
+            y = self.lora.add(x, y)
         return tp_reduce(y)  # all-reduce (reduce-scatter along tokens when sequence-parallel)
 
 

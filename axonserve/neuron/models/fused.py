@@ -51,6 +51,8 @@ def build(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, ...]], native: 
 
     if TPInfo.size != 1 or not hasattr(native, "DecoderStack") or len(kv_caches) != len(model.layers):
         return None
+    if getattr(model, "has_lora", False):  # adapter slots on the layers (axonserve/lora): the modules run them
+        return None
     first = model.layers[0].self_attn
     stack = native.DecoderStack(
         first.num_heads,
