@@ -203,7 +203,9 @@ def test_checkpoint_scales_per_tensor_channel_and_block():
     assert set(out) == {"a.weight", "b.weight", "norm.weight"}
     assert torch.equal(out["a.weight"], c * 0.5) and torch.equal(out["b.weight"], c * per_channel)
     assert out["norm.weight"] is norm
-    blk = _stream({"w.weight": codes, "w.weight_scale_inv": blocks}, {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    blk = _stream(
+        {"w.weight": codes, "w.weight_scale_inv": blocks}, {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    )
     r, col = torch.arange(300) // 128, torch.arange(260) // 128
     assert torch.equal(blk["w.weight"], c * blocks[r][:, col])
 
