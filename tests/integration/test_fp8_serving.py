@@ -14,14 +14,13 @@ import sys
 import httpx
 import pytest
 import torch
+from frontends.server import REPO, serve
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from axonserve.config import EngineConfig
 from axonserve.frontends.offline import LLM
 from axonserve.protocol.messages import SamplingParams
-
-from ..frontends.server import REPO, serve
 
 PROMPTS = [[5, 6, 7], [8, 9], list(range(10, 50))]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -33,11 +32,14 @@ def _tokens(model_dir: str, **kw) -> list[list[int]]:
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
-def make_fp8_checkpoint(src: str, dst: str, static: bool = True) -> str:
-    """`src` with its linear weights in float8_e4m3fn: q/k/v and gate/up with per-tensor scales of
-    their own (vLLM's FP8 format; each fused projection then holds rows of several scales), o/down
-    per output channel ([N, 1], llm-compressor's channel scheme), static `input_scale`s; embeddings,
-    norms and the LM head stay as they were (the formats' default `ignore`)."""
+PER_TENSOR = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def make_fp8_checkpoint(src: str, dst: str, static: bool = True, per_tensor: tuple[str, ...] = PER_TENSOR) -> str:
+    """`src` with its linear weights in float8_e4m3fn: by default q/k/v and gate/up with per-tensor
+    scales of their own (vLLM's FP8 format; each fused projection then holds rows of several
+    scales), the others per output channel ([N, 1], llm-compressor's channel scheme), static
+    `input_scale`s; embeddings, norms and the LM head stay as they were (the formats' `ignore`)."""
     shutil.copytree(src, dst)
     out = {}
     for f in [f for f in os.listdir(src) if f.endswith(".safetensors")]:
@@ -49,10 +51,10 @@ def make_fp8_checkpoint(src: str, dst: str, static: bool = True) -> str:
                     continue
                 w = t.float()
                 base = name[: -len(".weight")]
-                if name.endswith(("o_proj.weight", "down_proj.weight")):
-                    s = (w.abs().amax(1, keepdim=True) / 448).clamp_min(1e-12)
-                else:
+                if base.rpartition(".")[2] in per_tensor:
                     s = (w.abs().amax() / 448).clamp_min(1e-12)
+                else:
+                    s = (w.abs().amax(1, keepdim=True) / 448).clamp_min(1e-12)
                 out[name] = (w / s).clamp(-448, 448).to(torch.float8_e4m3fn)
                 out[base + ".weight_scale"] = s.float()
                 if static:
@@ -99,11 +101,12 @@ def test_fp8_kv_cache_served_through_the_engine(tiny_llama_dir, bf16_tokens, kv)
 
 def test_fp8_checkpoint_served_over_http(fp8_dir, bf16_tokens):
     """A pre-quantized FP8 checkpoint implies -q fp8 (here with an FP8 KV cache on top): greedy
-    output starts as the original bf16 model's, and HTTP serves the engine's very text."""
+    output starts as the original bf16 model's, and HTTP serves the engine's very text (for the same
+    batches: a batch's size picks the matmul path, whose roundings differ)."""
     config = EngineConfig(model=fp8_dir, num_kv_blocks=64, log_level="warning", dtype="bfloat16", kv_cache_dtype="fp8")
     assert config.quantization == "fp8"
-    with LLM(config=config) as llm:
-        outs = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY)]
+    with LLM(config=config) as llm:  # one request at a time, as the HTTP client below sends them
+        outs = [llm.generate([p], GREEDY)[0].outputs[0] for p in PROMPTS]
     assert [len(o.token_ids) for o in outs] == [12, 12, 12]
     assert [o.token_ids[0] for o in outs] == [t[0] for t in bf16_tokens]
     with serve(fp8_dir, "--dtype", "bfloat16", "--num-kv-blocks", "64", "--kv-cache-dtype", "fp8") as srv:
@@ -115,12 +118,34 @@ def test_fp8_checkpoint_served_over_http(fp8_dir, bf16_tokens):
             assert r.json()["choices"][0]["text"] == want.text
 
 
-def test_fp8_checkpoint_per_channel_codes_are_kept(tiny_llama_dir, fp8_dir):
-    """float32: the checkpoint's dequantized weights quantized again per row give -q fp8's codes on
-    the original weights (per-channel scales exactly, per-tensor ones within a rounding), so greedy
-    tokens are the same as -q fp8 on the unquantized checkpoint."""
-    want = _tokens(tiny_llama_dir, dtype="float32", quantization="fp8")
-    assert _tokens(fp8_dir, dtype="float32") == want
+def test_fp8_checkpoint_codes_come_back(tiny_llama_dir, fp8_dir, tmp_path):
+    """Loading dequantizes the checkpoint's codes and quantizes each fused row again: with per-channel
+    scales of max|w| / 448 (llm-compressor's) the codes are -q fp8's on the original weights, bit for
+    bit, and the scales within a float32 rounding; with per-tensor scales (q/k/v, gate/up in
+    `fp8_dir`) each weight is within two roundings (the checkpoint's and ours) of the original."""
+    from axonserve.neuron.config import ModelConfig
+    from axonserve.neuron.loader import load_model
+
+    channel_dir = make_fp8_checkpoint(tiny_llama_dir, str(tmp_path / "channel"), per_tensor=())
+
+    def qweights(path: str, quantization: str = "") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        model = load_model(ModelConfig.from_dir(path), torch.float32, progress=False, quantization=quantization)
+        return {
+            n: (m.qweight.data, m.qweight.scales)
+            for n, m in model.named_modules()
+            if getattr(m, "qweight", None) is not None
+        }
+
+    want = qweights(tiny_llama_dir, "fp8")
+    for name, (codes, scales) in qweights(channel_dir).items():
+        assert torch.equal(codes.view(torch.uint8), want[name][0].view(torch.uint8)), name
+        torch.testing.assert_close(scales, want[name][1], rtol=2e-7, atol=0)
+    dense = load_model(ModelConfig.from_dir(tiny_llama_dir), torch.float32, progress=False, pack=False)
+    for name, (codes, scales) in qweights(fp8_dir).items():
+        w = dense.get_submodule(name).weight.detach()
+        s_tensor = w.abs().amax() / 448  # at least each part's own per-tensor scale
+        bound = w.abs() * 2.0**-3 * 1.01 + (s_tensor + scales[:, None]) * 2.0**-10  # two half-steps
+        assert ((codes.float() * scales[:, None] - w).abs() <= bound).all(), name
 
 
 def test_fp8_settings_are_checked(tiny_llama_dir, fp8_dir, tmp_path):
