@@ -36,8 +36,10 @@ DEFAULT_TOL = {"float32": (1e-2, 1e-3), "bfloat16": (1.0, 0.25), "float16": (0.5
 # 4 prompts x 32 tokens (bf16 for comparison: max |Δlogit| 0.56-1.28, KL mean 0.001-0.002):
 # int8 1.26-1.93 (KL 0.003-0.005), int4 3.8-5.4 (KL 0.03-0.06)
 QUANT_TOL = {"int8": (3.0, 0.25), "int4": (8.0, 0.5), "fp8": (4.0, 0.25)}
-# a quantized KV cache (`--kv-cache-dtype`), on top of the dtype's (and any -q format's) bound:
-KV_TOL = {"fp8": (3.0, 0.25), "fp8_e4m3": (3.0, 0.25), "fp8_e5m2": (4.0, 0.25)}
+# a quantized KV cache (`--kv-cache-dtype`), on top of the dtype's (and any -q format's) bound.
+# Measured the same way (bf16): fp8 (e4m3) 1.13-3.55 (KL 0.003-0.007, hidden drift <= 0.18),
+# fp8_e5m2 2.85-4.93 (KL 0.009-0.032, hidden drift <= 0.25: two mantissa bits)
+KV_TOL = {"fp8": (5.0, 0.25), "fp8_e4m3": (5.0, 0.25), "fp8_e5m2": (7.0, 0.4)}
 
 
 def default_tolerances(dtype: str, quantization: str = "", kv_cache_dtype: str = "auto") -> tuple[float, float]:
