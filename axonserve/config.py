@@ -319,6 +319,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
             from axonserve.neuron.pooling import resolve_task  # (reads config.json; no torch)
 
             self.task = resolve_task(self.model, self.task)
+            from axonserve.neuron.config import checkpoint_quantization
+
+            # an FP8 checkpoint implies --quantization fp8 (before the device checks); others are refused
+            self.quantization = checkpoint_quantization(self.model, self.quantization)
         self.device = resolve_device(self.device)
         if self.device == "xla":
             self._check_xla()
@@ -330,10 +334,6 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError(
                 f"an {self.kv_cache_dtype} KV cache is not supported with bucketing or prefill/decode disaggregation"
             )
-        if os.path.isdir(self.model):  # an FP8 checkpoint implies --quantization fp8; others are refused
-            from axonserve.neuron.config import checkpoint_quantization  # (reads config.json; no torch)
-
-            self.quantization = checkpoint_quantization(self.model, self.quantization)
         if self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         if self.num_scheduler_steps > 1:
