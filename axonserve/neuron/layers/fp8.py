@@ -6,8 +6,9 @@ where the values are read (csrc/cpu_kernels.cpp converts the codes in registers 
   (e4m3: 448, 3 mantissa bits; e5m2: 57344, 2 bits), codes x / s rounded to nearest even. Half
   the bytes of a bf16 cache, like int8; e4m3 keeps more precision, e5m2 more range.
 - Weights: float8_e4m3fn codes with one scale per output row, quantized after tensor-parallel
-  sharding (layers/quant.py QuantizedWeight). A decode-sized matmul streams the 1-byte codes
-  (native `skinny_fp8`); a prefill-sized one dequantizes the weight and runs torch's matmul.
+  sharding (layers/quant.py QuantizedWeight). Up to 256 rows (decode batches, short chunks) the
+  matmul streams the 1-byte codes (native `skinny_fp8`); larger ones dequantize the weight and run
+  torch's matmul.
 - Checkpoints already in FP8 (config.json `quantization_config.quant_method == "fp8"`, the layout
   llm-compressor / vLLM write: `*.weight` float8_e4m3fn with `*.weight_scale` per tensor or per
   output channel, or `*.weight_scale_inv` per [128, 128] block): the codes are dequantized as they
@@ -66,8 +67,8 @@ def dequantize_weight(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 
 def matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x @ (codes * scales[:, None])^T: the native kernel (skinny up to FP8_SKINNY_ROWS rows, else
-    dequantized), or the same dequantized matmul in torch where it is not built."""
+    """x @ (codes * scales[:, None])^T: the native kernel (skinny up to FP8_SKINNY_ROWS = 256 rows,
+    else dequantized), or the same dequantized matmul in torch where it is not built."""
     from axonserve.neuron.ops import native
 
     k = native.for_dtype(x.dtype)
