@@ -181,14 +181,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "-q",
         default="",
         choices=["", *QUANTIZATIONS],
-        help="weight-only quantization of the linear layers and LM head (approximate outputs)",
+        help="weight-only quantization of the linear layers and LM head (approximate outputs); fp8 = "
+        "float8_e4m3fn with a scale per output row, implied by an FP8 checkpoint",
     )
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
         choices=KV_CACHE_DTYPES,
-        help="KV cache storage: auto = the model's dtype; int8 = per-(token, head) scaled codes, half "
-        "the bytes attention reads (approximate outputs)",
+        help="KV cache storage: auto = the model's dtype; int8 / fp8 (= fp8_e4m3) / fp8_e5m2 = per-(token, "
+        "head) scaled codes, half the bytes attention reads (approximate outputs)",
     )
     p.add_argument(
         "--num-workers",

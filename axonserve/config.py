@@ -210,9 +210,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     request_timeout_s: float = 0.0
     limits: RequestLimits = msgspec.field(default_factory=RequestLimits)
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (resolve_dtype; the CLI and LLM default)
-    quantization: str = ""  # weight-only int8 | int4 (neuron/layers/quant.py); "" = as loaded
-    # KV cache storage (vLLM's --kv-cache-dtype): auto = the model's dtype; int8 = codes with a
-    # float32 scale per (token, KV head), half the bytes a decode step's attention reads
+    quantization: str = ""  # weight-only int8 | int4 | fp8 (neuron/layers/quant.py); "" = as loaded
+    # KV cache storage (vLLM's --kv-cache-dtype): auto = the model's dtype; int8 / fp8 (= fp8_e4m3) /
+    # fp8_e5m2 = codes with a float32 scale per (token, KV head), half the bytes a decode step's
+    # attention reads (neuron/layers/fp8.py)
     kv_cache_dtype: str = "auto"
     num_workers: int = 1  # worker ranks (tensor parallel) of one engine
     # sequence parallelism over the tensor-parallel ranks (NxDI's): norms and residuals sharded along
@@ -328,6 +329,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
             from axonserve.neuron.pooling import resolve_task  # (reads config.json; no torch)
 
             self.task = resolve_task(self.model, self.task)
+            from axonserve.neuron.config import checkpoint_quantization
+
+            # an FP8 checkpoint implies --quantization fp8 (before the device checks); others are refused
+            self.quantization = checkpoint_quantization(self.model, self.quantization)
         self.device = resolve_device(self.device)
         if self.device == "xla":
             self._check_xla()
@@ -339,8 +344,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; supported: {', '.join(KV_CACHE_DTYPES)}"
             )
-        if self.kv_cache_dtype == "int8" and (self.bucketing or self.role != "both"):
-            raise ValueError("an int8 KV cache is not supported with bucketing or prefill/decode disaggregation")
+        if self.kv_cache_dtype != "auto" and (self.bucketing or self.role != "both"):
+            raise ValueError(
+                f"an {self.kv_cache_dtype} KV cache is not supported with bucketing or prefill/decode disaggregation"
+            )
         if self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         if self.num_scheduler_steps > 1:
@@ -456,7 +463,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
                 ("the embed task", self.task == "embed"),
                 ("speculative decoding", self.speculative is not None),
                 ("weight quantization", bool(self.quantization)),
-                ("an int8 KV cache", self.kv_cache_dtype != "auto"),
+                (f"an {self.kv_cache_dtype} KV cache", self.kv_cache_dtype != "auto"),
                 ("prefill/decode disaggregation", self.role != "both"),
                 ("tensor snapshots", bool(self.snapshot)),
                 ("multi-step decoding", self.num_scheduler_steps > 1),

@@ -34,8 +34,20 @@ DEFAULT_PROMPTS = [
 DEFAULT_TOL = {"float32": (1e-2, 1e-3), "bfloat16": (1.0, 0.25), "float16": (0.5, 0.1)}
 # weight-quantized serving (`-q`), any dtype: the format's own bound. Measured on SmolLM2-135M,
 # 4 prompts x 32 tokens (bf16 for comparison: max |Δlogit| 0.56-1.28, KL mean 0.001-0.002):
-# int8 1.26-1.93 (KL 0.003-0.005), int4 3.8-5.4 (KL 0.03-0.06)
-QUANT_TOL = {"int8": (3.0, 0.25), "int4": (8.0, 0.5)}
+# int8 1.26-1.93 (KL 0.003-0.005), int4 3.8-5.4 (KL 0.03-0.06), fp8 (e4m3, a scale per row) 3.1-7.3
+# (KL 0.023-0.036, hidden drift <= 0.26 at the last layer: 3 mantissa bits per weight)
+QUANT_TOL = {"int8": (3.0, 0.25), "int4": (8.0, 0.5), "fp8": (10.0, 0.4)}
+# a quantized KV cache (`--kv-cache-dtype`), on top of the dtype's (and any -q format's) bound.
+# Measured the same way (bf16): fp8 (e4m3) 1.13-3.55 (KL 0.003-0.007, hidden drift <= 0.18),
+# fp8_e5m2 2.85-4.93 (KL 0.009-0.032, hidden drift <= 0.25: two mantissa bits)
+KV_TOL = {"fp8": (5.0, 0.25), "fp8_e4m3": (5.0, 0.25), "fp8_e5m2": (7.0, 0.4)}
+
+
+def default_tolerances(dtype: str, quantization: str = "", kv_cache_dtype: str = "auto") -> tuple[float, float]:
+    """(atol, hidden_rtol): the loosest of the dtype's, the weight format's and the KV format's bounds."""
+    bounds = [DEFAULT_TOL.get(dtype, DEFAULT_TOL["float32"]), QUANT_TOL.get(quantization), KV_TOL.get(kv_cache_dtype)]
+    present = [b for b in bounds if b is not None]
+    return max(b[0] for b in present), max(b[1] for b in present)
 
 
 @dataclass
@@ -275,7 +287,7 @@ def validate(
         raise ValueError("--max-tokens must be >= 1")
     model_dir = resolve_model(model)
     ref_dir = resolve_model(reference) if reference else model_dir
-    d_atol, d_rtol = QUANT_TOL.get(config.get("quantization") or "") or DEFAULT_TOL.get(dtype, DEFAULT_TOL["float32"])
+    d_atol, d_rtol = default_tolerances(dtype, config.get("quantization") or "", config.get("kv_cache_dtype") or "auto")
     tol = Tolerances(atol if atol is not None else d_atol, hidden_rtol if hidden_rtol is not None else d_rtol, topk)
     prompts = list(prompts or DEFAULT_PROMPTS)
     with tempfile.TemporaryDirectory(prefix="axonserve-validate-") as tmp:
@@ -365,7 +377,7 @@ def format_report(rep: dict[str, Any]) -> str:
 
 
 def add_validate_parser(sub: Any) -> None:
-    from axonserve.config import QUANTIZATIONS
+    from axonserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
     p = sub.add_parser(
         "validate",
@@ -392,7 +404,8 @@ def add_validate_parser(sub: Any) -> None:
         "--atol",
         type=float,
         default=None,
-        help="max |Δlogit| per token (default 1e-2 for float32, 1.0 for bfloat16, 3 with int8, 8 with int4)",
+        help="max |Δlogit| per token (default 1e-2 for float32, 1.0 for bfloat16, 3 with int8, 8 with int4, "
+        "10 with fp8; a quantized KV cache: validate.KV_TOL)",
     )
     p.add_argument(
         "--hidden-rtol",
@@ -409,6 +422,12 @@ def add_validate_parser(sub: Any) -> None:
         default="",
         choices=["", *QUANTIZATIONS],
         help="serve the model weight-quantized (as `serve -q`): measures what the format costs",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="serve with this KV cache storage (as `serve --kv-cache-dtype`): measures what the format costs",
     )
     p.add_argument("--snapshot-dir", default=None, help="keep the engine's snapshots here (default: temporary)")
     p.add_argument("--num-kv-blocks", type=int, default=None)
@@ -433,6 +452,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             snapshot_dir=args.snapshot_dir,
             num_kv_blocks=args.num_kv_blocks,
             quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             log_level=args.log_level,
             log_format=args.log_format,
         )

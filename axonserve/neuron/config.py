@@ -30,6 +30,41 @@ def _read_json(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
+def checkpoint_quantization(path: str, requested: str = "") -> str:
+    """The weight quantization to run a checkpoint with: an FP8 checkpoint (config.json
+    `quantization_config.quant_method` "fp8", neuron/layers/fp8.py) implies "fp8" and refuses any
+    other method; a checkpoint quantized any other way (GPTQ, AWQ, compressed-tensors, ...) is
+    refused; an unquantized one keeps `requested`."""
+    try:
+        full = _read_json(os.path.join(path, "config.json"))
+    except (OSError, ValueError):
+        return requested  # no readable config.json: the loader reports it
+    qcfg = full.get("quantization_config") or (full.get("text_config") or {}).get("quantization_config")
+    if not qcfg:
+        return requested
+    method = qcfg.get("quant_method") if isinstance(qcfg, dict) else None
+    if method != "fp8":
+        raise ValueError(
+            f"the checkpoint is quantized with {method!r}, which is not supported (supported: FP8 checkpoints, "
+            "quant_method fp8; or an unquantized checkpoint with --quantization)"
+        )
+    if requested not in ("", "fp8"):
+        raise ValueError(f"--quantization {requested} does not apply to an FP8 checkpoint (it is fp8 already)")
+    block = qcfg.get("weight_block_size")
+    if block is not None and not (
+        isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)
+    ):
+        raise ValueError(f"FP8 checkpoint: weight_block_size must be null or [rows, columns], got {block!r}")
+    return "fp8"
+
+
+def fp8_checkpoint_config(path: str) -> dict[str, Any] | None:
+    """config.json's quantization_config when it describes an FP8 checkpoint, else None."""
+    full = _read_json(os.path.join(path, "config.json"))
+    qcfg = full.get("quantization_config") or (full.get("text_config") or {}).get("quantization_config")
+    return qcfg if isinstance(qcfg, dict) and qcfg.get("quant_method") == "fp8" else None
+
+
 @dataclass
 class ModelConfig:
     path: str
@@ -134,10 +169,11 @@ class ModelConfig:
         return max(ws) if ws and all(ws) else None  # type: ignore[type-var]
 
     def kv_bytes_per_token(self, dtype: str = "float32", tp_size: int = 1, kv_cache_dtype: str = "auto") -> int:
-        """K and V bytes one token occupies across all layers (on one rank); an int8 cache holds
-        a float32 scale per head beside the codes."""
+        """K and V bytes one token occupies across all layers (on one rank); an int8 or fp8 cache
+        holds a float32 scale per head beside the 1-byte codes."""
         kv_heads = max(1, self.num_kv_heads // tp_size)
-        per_head = self.head_dim + 4 if kv_cache_dtype == "int8" else self.head_dim * _DTYPE_BYTES[dtype]
+        coded = kv_cache_dtype not in ("auto", "")
+        per_head = self.head_dim + 4 if coded else self.head_dim * _DTYPE_BYTES[dtype]
         return 2 * self.num_layers * kv_heads * per_head
 
 

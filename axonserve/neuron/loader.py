@@ -13,7 +13,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from axonserve.neuron.config import ModelConfig
+from axonserve.neuron.config import ModelConfig, checkpoint_quantization, fp8_checkpoint_config
 from axonserve.neuron.registry import model_class
 
 log = structlog.get_logger()
@@ -45,7 +45,13 @@ def load_model(
     pack: bf16 linear weights go into oneDNN's layout once (layers/quant.py PackedWeight)."""
     t0 = time.perf_counter()
     model = model_class(cfg.architecture)(cfg, dtype)
-    model.load_weights(iter_weights(cfg.path, progress))
+    weights = iter_weights(cfg.path, progress)
+    fp8_cfg = fp8_checkpoint_config(cfg.path)
+    if fp8_cfg is not None:  # FP8 codes dequantized as they stream in, quantized per row again below
+        from axonserve.neuron.layers.fp8 import checkpoint_weights
+
+        weights, quantization = checkpoint_weights(weights, fp8_cfg), checkpoint_quantization(cfg.path, quantization)
+    model.load_weights(weights)
     model.eval()
     from axonserve.neuron.layers.quant import can_pack, quantize_model
 

@@ -31,6 +31,7 @@ from axonserve.multimodal.worker import ImageEncoderCache, RequestImages, batch_
 from axonserve.neuron import sequence_parallel
 from axonserve.neuron.config import ModelConfig
 from axonserve.neuron.kv_transfer import export_kv, import_kv
+from axonserve.neuron.layers.fp8 import kv_code_dtype
 from axonserve.neuron.loader import load_model
 from axonserve.neuron.models.bert import EncoderBatch
 from axonserve.neuron.ops import native
@@ -229,7 +230,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, ...]]:
         """Zeroed (never NaN garbage: masked slots still enter the attention matmul). Per layer
-        (K, V), or with an int8 cache (K codes, V codes, K scales, V scales)."""
+        (K, V), or with an int8 / fp8 cache (K codes, V codes, K scales, V scales)."""
         mc = self.model_config
         kv_heads = max(1, mc.num_kv_heads // TPInfo.size)
         shape = (num_blocks, self.block_size, kv_heads, mc.head_dim)
@@ -239,11 +240,12 @@ class ModelRunner:
             mib=round(num_blocks * self._block_bytes() / 2**20, 1),
             dtype=self.config.kv_cache_dtype,
         )
-        if self.config.kv_cache_dtype == "int8":
+        if self.config.kv_cache_dtype != "auto":  # int8 / fp8 codes (layers/fp8.py) + float32 scales
+            codes = kv_code_dtype(self.config.kv_cache_dtype) or torch.int8
             return [
                 (
-                    torch.zeros(shape, dtype=torch.int8),
-                    torch.zeros(shape, dtype=torch.int8),
+                    torch.zeros(shape, dtype=codes),
+                    torch.zeros(shape, dtype=codes),
                     torch.zeros(shape[:3]),
                     torch.zeros(shape[:3]),
                 )

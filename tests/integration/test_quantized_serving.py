@@ -36,7 +36,7 @@ def test_int8_kv_cache_served_through_the_engine(tiny_llama_dir):
 
 def test_kv_cache_dtype_is_checked():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        EngineConfig(model="m", dtype="bfloat16", kv_cache_dtype="fp8")
+        EngineConfig(model="m", dtype="bfloat16", kv_cache_dtype="fp9")
     with pytest.raises(ValueError, match="int8 KV cache"):
         EngineConfig(model="m", dtype="bfloat16", kv_cache_dtype="int8", role="prefill")
 

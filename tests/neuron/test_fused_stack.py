@@ -36,17 +36,17 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 def _run(
-    model, dtype, monkeypatch, on: bool, reset: bool = True, kv_int8: bool = False
+    model, dtype, monkeypatch, on: bool, reset: bool = True, kv_codes: torch.dtype | None = None
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
     """Hidden states of every step and the caches after them (fresh ones); whether the stack ran."""
     monkeypatch.setenv("AXONSERVE_FUSED", "1" if on else "0")
     cfg = model.config
     shape = (64, BS, cfg.num_kv_heads, cfg.head_dim)
-    if kv_int8:  # --kv-cache-dtype int8: codes and their scales
+    if kv_codes is not None:  # --kv-cache-dtype int8 / fp8*: codes and their scales
         caches = [
             (
-                torch.zeros(shape, dtype=torch.int8),
-                torch.zeros(shape, dtype=torch.int8),
+                torch.zeros(shape, dtype=kv_codes),
+                torch.zeros(shape, dtype=kv_codes),
                 torch.zeros(shape[:3]),
                 torch.zeros(shape[:3]),
             )
@@ -70,36 +70,40 @@ def _run(
 
 
 @pytest.mark.parametrize(
-    "dtype,quantization,pack,kv_int8",
+    "dtype,quantization,pack,kv_codes",
     [
-        (torch.float32, "", False, False),
-        (torch.bfloat16, "", False, False),  # dense bf16: one row through mv
+        (torch.float32, "", False, None),
+        (torch.bfloat16, "", False, None),  # dense bf16: one row through mv
         (
             torch.bfloat16,
             "",
             True,
-            False,
+            None,
         ),  # oneDNN-packed, and the skinny (AMX / dot-product) copy where the CPU has one
-        (torch.bfloat16, "int8", False, False),
-        (torch.bfloat16, "int4", False, False),
-        (torch.bfloat16, "", True, True),  # --kv-cache-dtype int8
-        (torch.float32, "", False, True),
+        (torch.bfloat16, "int8", False, None),
+        (torch.bfloat16, "int4", False, None),
+        (torch.bfloat16, "fp8", False, None),
+        (torch.float32, "fp8", False, None),
+        (torch.bfloat16, "", True, torch.int8),  # --kv-cache-dtype int8
+        (torch.float32, "", False, torch.int8),
+        (torch.bfloat16, "", True, torch.float8_e4m3fn),  # --kv-cache-dtype fp8
+        (torch.float32, "", False, torch.float8_e5m2),
     ],
 )
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])  # Qwen2: q/k/v biases
-def test_stack_equals_the_python_modules(model_dirs, arch, dtype, quantization, pack, kv_int8, monkeypatch):
+def test_stack_equals_the_python_modules(model_dirs, arch, dtype, quantization, pack, kv_codes, monkeypatch):
     mc = ModelConfig.from_dir(model_dirs[arch])
     model = load_model(mc, dtype, progress=False, quantization=quantization, pack=pack)
     if quantization == "int8" and native.kernels().skinny_rows(
         native.kernels().pack_int8_weight(torch.zeros(16, 32, dtype=torch.int8))
     ):  # AMX: int8 decode batches take the int8 tiles
         assert model.model.layers[0].mlp.down_proj.qweight.skinny is not None
-    want, want_caches, used = _run(model, dtype, monkeypatch, on=False, kv_int8=kv_int8)
+    want, want_caches, used = _run(model, dtype, monkeypatch, on=False, kv_codes=kv_codes)
     assert not used
-    got, got_caches, used = _run(model, dtype, monkeypatch, on=True, kv_int8=kv_int8)
+    got, got_caches, used = _run(model, dtype, monkeypatch, on=True, kv_codes=kv_codes)
     assert used, "the native stack did not run"
     # new caches for the same model: the stack is rebuilt over them (not left on the old ones)
-    again, again_caches, _ = _run(model, dtype, monkeypatch, on=True, reset=False, kv_int8=kv_int8)
+    again, again_caches, _ = _run(model, dtype, monkeypatch, on=True, reset=False, kv_codes=kv_codes)
     assert all(torch.equal(a, b) for a, b in zip(again, got)) and all(t.any() for t in again_caches)
     for step, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"step {step}: max diff {(a.float() - b.float()).abs().max()}"

@@ -1,4 +1,4 @@
-"""Weight-only quantization (`--quantization int8|int4`): smaller weights, same activations.
+"""Weight-only quantization (`--quantization int8|int4|fp8`): smaller weights, same activations.
 
 A decode step reads every weight once, so on a CPU its time is weight bytes over memory
 bandwidth: int8 halves the bytes of bf16, int4 quarters them. Weights are quantized once at
@@ -8,6 +8,8 @@ load, after tensor-parallel sharding, and multiplied by torch's CPU weight-only 
   (csrc `skinny_int8`: a decode step of SmolLM2 reads 135 MB instead of 270), and larger ones
   (prefill) multiply a oneDNN-packed bf16 copy of the dequantized weight: torch's int8 kernel
   is far slower than oneDNN there (docs/benchmarks.md#fig-neuron-quant).
+- fp8: float8_e4m3fn codes with one scale per output row (layers/fp8.py: native skinny kernel
+  for decode batches, the dequantized weight above them).
 - int4: asymmetric groups of 32 input columns with a scale and a zero point each, as GGUF's
   Q4_1 does (`_weight_int4pack_mm_for_cpu`, which dequantizes `(q - 8) * scale + zero`).
 Only the dense linears and the LM head are quantized; the embedding table is looked up, not
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 
 from axonserve.config import QUANTIZATIONS
+from axonserve.neuron.layers import fp8
 
 log = structlog.get_logger()
 
@@ -47,6 +50,8 @@ class QuantizedWeight:
             self.data: torch.Tensor | None = q
             if act_dtype == torch.bfloat16:
                 self._amx_int8(q, scale)
+        elif method == "fp8":
+            self.data, self.scales = fp8.quantize_weight(w)  # scales stay float32 (applied to the sums)
         elif method == "int4":
             if k % INT4_GROUP:
                 raise ValueError(f"int4 needs the input size ({k}) to be a multiple of {INT4_GROUP}")
@@ -78,6 +83,8 @@ class QuantizedWeight:
         return sum(t.numel() * t.element_size() for t in parts)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.method == "fp8":
+            return fp8.matmul(x, self.data, self.scales)
         x = x.to(self.scales.dtype)
         if self.skinny is not None:
             if x.shape[0] <= self.skinny_rows and x.dim() == 2 and x.stride(-1) == 1:

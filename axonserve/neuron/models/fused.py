@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from axonserve.neuron.models.llama import LlamaModel
 
 NONE = torch.empty(0)  # an absent tensor argument (the native side tests numel)
-_KINDS = {"dense": 0, "packed": 1, "int8": 2, "int4": 3}
+_KINDS = {"dense": 0, "packed": 1, "int8": 2, "int4": 3, "fp8": 4}
 
 
 def enabled() -> bool:
@@ -45,7 +45,7 @@ def cache_key(kv_caches: list[tuple[torch.Tensor, ...]]) -> tuple[int, ...]:
 
 def build(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, ...]], native: Any) -> Any | None:
     """A native DecoderStack over the model's weights and these caches ((K, V) per layer, or an int8
-    cache's (K codes, V codes, K scales, V scales)), or None where the model has a part only the
+    / fp8 cache's (K codes, V codes, K scales, V scales)), or None where the model has a part only the
     Python modules run."""
     from axonserve.neuron.models.llama import LlamaMLP
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from axonserve.neuron.layers import fp8
 from axonserve.neuron.ops.window import apply_window
 from axonserve.speculative.tree import tree_depths
 
@@ -188,12 +189,12 @@ class AttentionMetadata:
 
 
 def move_slots(kv_caches: list[tuple[torch.Tensor, ...]], src: list[int], dst: list[int]) -> None:
-    """Copy every layer's cache rows (K, V and an int8 cache's scales) at slots `src` to `dst`:
+    """Copy every layer's cache rows (K, V and an int8 / fp8 cache's scales) at slots `src` to `dst`:
     a verified draft tree's accepted path into the consecutive positions it now holds."""
     s, d = torch.tensor(src), torch.tensor(dst)
     for layer in kv_caches:
         for t in layer:
-            flat = t.view(t.shape[0] * t.shape[1], -1)
+            flat = fp8.as_bytes(t).view(t.shape[0] * t.shape[1], -1)
             flat.index_copy_(0, d, flat.index_select(0, s))
 
 
@@ -317,9 +318,12 @@ def build_static(
     return meta, src, last
 
 
-def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., D] rows for an int8 KV cache: codes round(x / s), s = max|x| / 127 (at least 1e-30),
-    float32 scales [...]; the native rotary_kv_write computes the same bits."""
+    float32 scales [...]; the native rotary_kv_write computes the same bits. An FP8 code dtype:
+    layers/fp8.py quantize_rows."""
+    if dtype != torch.int8:
+        return fp8.quantize_rows(x, dtype)
     xf = x.float()
     s = (xf.abs().amax(-1) / 127).clamp_min(1e-30)
     return (xf / s[..., None]).clamp(-127, 127).round().to(torch.int8), s
@@ -330,7 +334,7 @@ def _gather_blocks(
 ) -> torch.Tensor:
     """Whole blocks as contiguous rows: index_select on a 2-D view beats fancy indexing
     (docs/benchmarks.md#fig-attention).
-    An int8 cache comes back dequantized (codes x their row's scale) in `dtype`."""
+    An int8 / fp8 cache comes back dequantized (codes x their row's scale) in `dtype`."""
     rows = cache.view(cache.shape[0], -1).index_select(0, block_ids)
     if scales is None:
         return rows
@@ -352,15 +356,15 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens, written into the caches first unless
     the caller did (the fused rotary kernel). Returns [T, Hq, D]. k_scale / v_scale: an int8
-    cache's float32 scales [blocks, block_size, Hkv] (`--kv-cache-dtype int8`)."""
+    or fp8 cache's float32 scales [blocks, block_size, Hkv] (`--kv-cache-dtype int8|fp8*`)."""
     _, bs, hkv, d = k_cache.shape
     if write_cache:
         for x, cache, sc in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
             if sc is None:
                 cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, x)
             else:
-                codes, s = quantize_kv(x)
-                cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, codes)
+                codes, s = quantize_kv(x, cache.dtype)
+                fp8.as_bytes(cache).view(-1, hkv, d).index_copy_(0, meta.slot_mapping, fp8.as_bytes(codes))
                 sc.view(-1, hkv).index_copy_(0, meta.slot_mapping, s)
     hq, nd = q.shape[1], meta.num_decodes
     if meta.native is not None:

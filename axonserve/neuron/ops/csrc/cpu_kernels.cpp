@@ -23,6 +23,8 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define AXON_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -31,6 +33,27 @@ using bf16 = c10::BFloat16;
 
 inline float to_f(float x) { return x; }
 inline float to_f(int8_t x) { return float(x); }
+// FP8 codes (`--kv-cache-dtype fp8*`, `--quantization fp8`; layers/fp8.py): the 7 magnitude bits
+// shifted under a float32's exponent field give 2^(e - 127) (1 + m / 2^M) (or a denormal for e = 0),
+// and one multiply by 2^(127 - bias) rebiases it: exact for every finite code, subnormals included.
+// NaN codes never occur (writers clamp to the format's largest finite value first).
+struct fp8e4m3 { uint8_t x; };  // torch.float8_e4m3fn: bias 7, 3 mantissa bits, max 448
+struct fp8e5m2 { uint8_t x; };  // torch.float8_e5m2: bias 15, 2 mantissa bits, max 57344
+inline float fp8_bits(uint8_t c, int shift, float rebias) {
+  uint32_t u = (uint32_t(c & 0x80) << 24) | (uint32_t(c & 0x7F) << shift);
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f * rebias;
+}
+inline float to_f(fp8e4m3 x) { return fp8_bits(x.x, 20, 0x1p120f); }
+inline float to_f(fp8e5m2 x) { return fp8_bits(x.x, 21, 0x1p112f); }
+// a float already clamped to the format's range -> its code, rounded to nearest even as torch does
+inline void to_code(float v, fp8e4m3* q) { *q = fp8e4m3{c10::Float8_e4m3fn(v).x}; }
+inline void to_code(float v, fp8e5m2* q) { *q = fp8e5m2{c10::Float8_e5m2(v).x}; }
+template <typename C> constexpr float fp8_max() { return std::is_same_v<C, fp8e4m3> ? 448.f : 57344.f; }
+// a KV cache of codes with a float32 scale per (slot, KV head): int8 or either FP8 format
+template <typename C>
+constexpr bool scaled_cache_v = std::is_same_v<C, int8_t> || std::is_same_v<C, fp8e4m3> || std::is_same_v<C, fp8e5m2>;
 inline float to_f(bf16 x) { uint32_t u = uint32_t(x.x) << 16; float f; std::memcpy(&f, &u, 4); return f; }
 
 template <typename T> inline T from_f(float x);
@@ -49,6 +72,14 @@ inline __m512 load16(const bf16* p) {
 inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+inline __m512 fp8_load16(const uint8_t* p, int shift, float rebias) {
+  const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i u = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24),
+                                    _mm512_sllv_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)), _mm512_set1_epi32(shift)));
+  return _mm512_mul_ps(_mm512_castsi512_ps(u), _mm512_set1_ps(rebias));
+}
+inline __m512 load16(const fp8e4m3* p) { return fp8_load16(reinterpret_cast<const uint8_t*>(p), 20, 0x1p120f); }
+inline __m512 load16(const fp8e5m2* p) { return fp8_load16(reinterpret_cast<const uint8_t*>(p), 21, 0x1p112f); }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(bf16* p, __m512 v) {
 #if defined(__AVX512BF16__)
@@ -214,7 +245,7 @@ void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const C* kc, const C
                      std::vector<float>& scores, std::vector<int64_t>& off) {
 #ifdef AXON_AVX512
   constexpr int D = 16 * ND, GC = ND >= 16 ? 1 : 16 / ND;  // GC * ND accumulators <= 16 registers
-  constexpr bool Q8 = std::is_same_v<C, int8_t>;  // int8 cache: a float32 scale per (slot, head)
+  constexpr bool Q8 = scaled_cache_v<C>;  // int8 / fp8 cache: a float32 scale per (slot, head)
   const int64_t G = a.G, L = key_offsets<WIN>(a, r, h, off);
   scores.resize(G * L + G * D + (Q8 ? 2 * L : 0));
   float* qs = scores.data() + G * L;  // the G query rows, scaled, as float32
@@ -295,7 +326,7 @@ void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const C* kc, const C
 template <typename T, typename C, bool WIN>
 void attend_item_scalar(const AttnArgs& a, const T* qp, T* op, const C* kc, const C* vc, int64_t r, int64_t h,
                         std::vector<float>& scores, std::vector<int64_t>& off) {
-  constexpr bool Q8 = std::is_same_v<C, int8_t>;
+  constexpr bool Q8 = scaled_cache_v<C>;
   const int64_t G = a.G, L = key_offsets<WIN>(a, r, h, off), D = a.D;
   scores.resize(G * L);
   std::vector<float> acc(D);
@@ -377,15 +408,25 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   });
 }
 
-// An int8 KV cache (`--kv-cache-dtype int8`) holds each (slot, KV head) row as int8 codes times a
-// float32 scale, k_scale / v_scale [blocks, block_size, Hkv]: half the bytes a decode step reads.
+// An int8 or FP8 KV cache (`--kv-cache-dtype int8|fp8*`) holds each (slot, KV head) row as 8-bit
+// codes times a float32 scale, k_scale / v_scale [blocks, block_size, Hkv]: half the bytes of bf16.
+bool scaled_cache(at::ScalarType t) { return t == at::kChar || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
+
+// Calls f(C{}) with C the code type of a scaled cache.
+template <typename F>
+void by_cache_codes(at::ScalarType t, F&& f) {
+  if (t == at::kChar) f(int8_t{});
+  else if (t == at::kFloat8_e4m3fn) f(fp8e4m3{});
+  else f(fp8e5m2{});
+}
+
 void check_cache_scales(const at::Tensor& cache, const c10::optional<at::Tensor>& scale) {
-  if (cache.scalar_type() != at::kChar) {
-    TORCH_CHECK(!scale.has_value() || !scale->defined(), "scales are for an int8 cache");
+  if (!scaled_cache(cache.scalar_type())) {
+    TORCH_CHECK(!scale.has_value() || !scale->defined(), "scales are for an int8 / fp8 cache");
     return;
   }
   TORCH_CHECK(scale.has_value() && scale->defined() && scale->scalar_type() == at::kFloat && scale->is_contiguous() &&
-              scale->numel() * cache.size(3) == cache.numel(), "an int8 cache needs its float32 [blocks, block, Hkv] scales");
+              scale->numel() * cache.size(3) == cache.numel(), "an int8 / fp8 cache needs its float32 [blocks, block, Hkv] scales");
 }
 
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
@@ -395,21 +436,26 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.stride(2) == 1, "q/out: [rows, heads, head_dim], last dim dense");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_table.is_contiguous(), "contiguous caches");
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(), "one dtype");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() || k_cache.scalar_type() == at::kChar, "cache: q's dtype or int8");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() || scaled_cache(k_cache.scalar_type()), "cache: q's dtype, int8 or fp8");
   check_cache_scales(k_cache, k_scale);
   check_cache_scales(v_cache, v_scale);
   if (row_extra.has_value() && row_extra->defined())
     TORCH_CHECK(row_extra->dim() == 2 && row_extra->size(0) == q.size(0) && row_extra->is_contiguous() &&
                 row_extra->scalar_type() == at::kLong, "row_extra: contiguous int64 [rows, E]");
-  const bool q8 = k_cache.scalar_type() == at::kChar;
+  const bool q8 = scaled_cache(k_cache.scalar_type());
   const float* ks = q8 ? k_scale->data_ptr<float>() : nullptr;
   const float* vs = q8 ? v_scale->data_ptr<float>() : nullptr;
   by_dtype(q.scalar_type(), "paged_attention", [&](auto tag) {
     using T = decltype(tag);
-    if (q8) paged_attention_impl<T, int8_t>(out, q, k_cache, v_cache, block_table, row_seq, row_kv_len, scale, ks, vs, row_extra,
-                                           window);
-    else paged_attention_impl<T, T>(out, q, k_cache, v_cache, block_table, row_seq, row_kv_len, scale, ks, vs, row_extra,
-                                    window);
+    if (!q8) {
+      paged_attention_impl<T, T>(out, q, k_cache, v_cache, block_table, row_seq, row_kv_len, scale, ks, vs, row_extra,
+                                 window);
+      return;
+    }
+    by_cache_codes(k_cache.scalar_type(), [&](auto code) {
+      paged_attention_impl<T, decltype(code)>(out, q, k_cache, v_cache, block_table, row_seq, row_kv_len, scale, ks, vs,
+                                              row_extra, window);
+    });
   });
 }
 
@@ -439,11 +485,23 @@ inline void quantize_row(const T* x, int64_t D, int8_t* q, float* scale) {
   *scale = s;
 }
 
+// The same row into an FP8 cache: s = max|x| / the format's largest value (at least 1e-30), codes
+// x / s clamped to it and rounded to nearest even: attention.py's quantize_kv, bit for bit.
+template <typename T, typename C>
+inline void quantize_row(const T* x, int64_t D, C* q, float* scale) {
+  constexpr float fmax = fp8_max<C>();
+  float amax = 0.f;
+  for (int64_t j = 0; j < D; ++j) amax = std::max(amax, std::fabs(to_f(x[j])));
+  const float s = std::max(amax / fmax, 1e-30f);
+  for (int64_t j = 0; j < D; ++j) to_code(std::min(fmax, std::max(-fmax, to_f(x[j]) / s)), q + j);
+  *scale = s;
+}
+
 // qkv: [T, Hq + 2 Hkv, D] (contiguous). Rotates the Q and K heads in place with the half-split
 // layout (cos, signed sin tables indexed by position: x*cos + roll(x, D/2)*sin, each product rounded
 // to T like torch's ops), then writes the rotated K heads and the V heads into their cache slots
 // (an int8 cache: codes and scales by quantize_row).
-template <typename T>
+template <typename T, typename C>
 void rotary_kv_impl(at::Tensor& qkv, int64_t Hq, int64_t Hkv, const at::Tensor& cos, const at::Tensor& sin,
                     const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
                     float* ks, float* vs) {
@@ -483,11 +541,11 @@ void rotary_kv_impl(at::Tensor& qkv, int64_t Hq, int64_t Hkv, const at::Tensor& 
         }
       }
       if (sl[t] < 0) continue;
-      if (ks) {  // int8 cache
+      if constexpr (scaled_cache_v<C>) {  // int8 / fp8 cache
         for (int64_t hh = 0; hh < Hkv; ++hh) {
           const int64_t row = sl[t] * Hkv + hh;
-          quantize_row(x + (t * H + Hq + hh) * D, D, reinterpret_cast<int8_t*>(kc) + row * D, ks + row);
-          quantize_row(x + (t * H + Hq + Hkv + hh) * D, D, reinterpret_cast<int8_t*>(vc) + row * D, vs + row);
+          quantize_row(x + (t * H + Hq + hh) * D, D, reinterpret_cast<C*>(kc) + row * D, ks + row);
+          quantize_row(x + (t * H + Hq + Hkv + hh) * D, D, reinterpret_cast<C*>(vc) + row * D, vs + row);
         }
         continue;
       }
@@ -502,14 +560,21 @@ void rotary_kv_write(at::Tensor qkv, int64_t Hq, int64_t Hkv, at::Tensor cos, at
                      c10::optional<at::Tensor> v_scale) {
   TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(), "contiguous qkv and tables");
   TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
-              (qkv.scalar_type() == k_cache.scalar_type() || k_cache.scalar_type() == at::kChar), "one dtype (or int8 caches)");
+              (qkv.scalar_type() == k_cache.scalar_type() || scaled_cache(k_cache.scalar_type())),
+              "one dtype (or int8 / fp8 caches)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
   check_cache_scales(k_cache, k_scale);
   check_cache_scales(v_cache, v_scale);
-  const bool q8 = k_cache.scalar_type() == at::kChar;
+  const bool q8 = scaled_cache(k_cache.scalar_type());
   float* ks = q8 ? k_scale->data_ptr<float>() : nullptr;
   float* vs = q8 ? v_scale->data_ptr<float>() : nullptr;
-  by_dtype(qkv.scalar_type(), "rotary_kv_write", [&](auto tag) { rotary_kv_impl<decltype(tag)>(qkv, Hq, Hkv, cos, sin, positions, k_cache, v_cache, slots, ks, vs); });
+  by_dtype(qkv.scalar_type(), "rotary_kv_write", [&](auto tag) {
+    using T = decltype(tag);
+    if (!q8) return rotary_kv_impl<T, T>(qkv, Hq, Hkv, cos, sin, positions, k_cache, v_cache, slots, ks, vs);
+    by_cache_codes(k_cache.scalar_type(), [&](auto code) {
+      rotary_kv_impl<T, decltype(code)>(qkv, Hq, Hkv, cos, sin, positions, k_cache, v_cache, slots, ks, vs);
+    });
+  });
 }
 
 // ------------------------------------------------------------------ (add +) RMSNorm
@@ -1168,6 +1233,106 @@ at::Tensor skinny_int8(at::Tensor x, at::Tensor wp, at::Tensor scales) {
   return out;
 }
 
+// ------------------------------------------------------------------ fp8 weights
+// x @ (W * scales[:, None])^T with W [N, K] float8_e4m3fn codes and one float32 scale per output
+// row (`--quantization fp8`, layers/fp8.py). Up to FP8_SKINNY_ROWS rows stream the 1-byte codes and
+// widen them in registers (fp8_bits), accumulating in float32 with the scale applied to the sum:
+// half the bytes of a bf16 weight. Larger batches (long prefill chunks) dequantize the whole weight
+// to x's dtype (code x scale, rounded once) and run torch's matmul; layers/fp8.py's torch fallback
+// computes those same bits. On the 2-core AVX2 dev machine (no AVX512-BF16, so torch's bf16 matmul
+// is slow) the skinny kernel beat the per-call dequantization at every size measured, 1-256 rows,
+// bf16 and float32 ([3072, 576] weight: 256 rows 60 vs 192 ms bf16, 74 vs 95 ms float32).
+constexpr int64_t FP8_SKINNY_ROWS = 256;
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(AXON_AVX512)
+inline __m256 fp8x8(const uint8_t* p) {
+  const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i u = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24),
+                                    _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x7F)), 20));
+  return _mm256_mul_ps(_mm256_castsi256_ps(u), _mm256_set1_ps(0x1p120f));
+}
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+#endif
+
+// rows m0..m0+MB of xf (float32 [M, K]) against weight row wr: MB dot products
+template <int MB>
+inline void fp8_dot_rows(const float* xf, int64_t K, const uint8_t* wr, float* dots) {
+  int64_t k = 0;
+  float acc_s[MB] = {};
+#if defined(AXON_AVX512)
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (; k + 16 <= K; k += 16) {
+    const __m512 w = fp8_load16(wr + k, 20, 0x1p120f);
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + m * K + k), w, acc[m]);
+  }
+  for (int m = 0; m < MB; ++m) acc_s[m] = _mm512_reduce_add_ps(acc[m]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  for (; k + 8 <= K; k += 8) {
+    const __m256 w = fp8x8(wr + k);
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + m * K + k), w, acc[m]);
+  }
+  for (int m = 0; m < MB; ++m) acc_s[m] = hsum8(acc[m]);
+#endif
+  for (; k < K; ++k) {
+    const float w = to_f(fp8e4m3{wr[k]});
+    for (int m = 0; m < MB; ++m) acc_s[m] += xf[m * K + k] * w;
+  }
+  for (int m = 0; m < MB; ++m) dots[m] = acc_s[m];
+}
+
+void check_fp8_weight(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K], w [N, K]");
+  TORCH_CHECK(w.scalar_type() == at::kFloat8_e4m3fn && w.is_contiguous(), "w: contiguous float8_e4m3fn");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == w.size(0),
+              "scales: float32 [N]");
+}
+
+// The skinny path for any row count (fp8_linear takes it up to FP8_SKINNY_ROWS).
+at::Tensor skinny_fp8(at::Tensor x, at::Tensor w, at::Tensor scales) {
+  check_fp8_weight(x, w, scales);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
+  const float* sc = scales.data_ptr<float>();
+  by_dtype(x.scalar_type(), "skinny_fp8", [&](auto tag) {
+    using T = decltype(tag);
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, N, serial_grain(K * std::min<int64_t>(M, 4), 16), [&](int64_t n0, int64_t n1) {
+      float dots[4];
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* wr = wp + n * K;
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) {
+          fp8_dot_rows<4>(xp + m * K, K, wr, dots);
+          for (int i = 0; i < 4; ++i) op[(m + i) * N + n] = from_f<T>(dots[i] * sc[n]);
+        }
+        for (; m < M; ++m) {
+          fp8_dot_rows<1>(xp + m * K, K, wr, dots);
+          op[m * N + n] = from_f<T>(dots[0] * sc[n]);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// x @ (W * scales[:, None])^T: the skinny kernel up to FP8_SKINNY_ROWS rows, else the dequantized weight.
+at::Tensor fp8_linear(at::Tensor x, at::Tensor w, at::Tensor scales) {
+  check_fp8_weight(x, w, scales);
+  if (x.size(0) <= FP8_SKINNY_ROWS) return skinny_fp8(x, w, scales);
+  return at::linear(x, (w.to(at::kFloat) * scales.unsqueeze(1)).to(x.scalar_type()));
+}
+
 // ------------------------------------------------------------------ decoder stack
 // A Llama-family decoder (dense MLP, no per-head norms, one rank) run layer by layer here instead
 // of from Python: the same kernels, in the same order, with the same roundings as the Python
@@ -1177,10 +1342,10 @@ at::Tensor skinny_int8(at::Tensor x, at::Tensor wp, at::Tensor scales) {
 
 // One projection as the Python layer runs it (layers/linear.py `linear`, layers/quant.py).
 struct StackLinear {
-  enum Kind : int64_t { DENSE = 0, PACKED = 1, INT8 = 2, INT4 = 3 };
+  enum Kind : int64_t { DENSE = 0, PACKED = 1, INT8 = 2, INT4 = 3, FP8 = 4 };
   int64_t kind = DENSE;
   at::Tensor w;     // dense weight | oneDNN-packed bf16 | int8 / int4 packed data
-  at::Tensor aux;   // PACKED: the skinny copy (bf16, or int8 with `scales`; may be empty); INT8 / INT4: scales
+  at::Tensor aux;   // PACKED: the skinny copy (bf16, or int8 with `scales`; may be empty); INT8 / INT4 / FP8: scales
   at::Tensor bias;  // may be undefined
   int64_t rows = 0;   // PACKED: the most rows the skinny copy takes
   int64_t group = 0;  // INT4: input columns per scale
@@ -1200,6 +1365,7 @@ struct StackLinear {
         else y = aux.scalar_type() == at::kChar ? skinny_int8(x, aux, scales) : skinny_bf16(x, aux);
         break;
       case INT8: y = at::_weight_int8pack_mm(x.to(aux.scalar_type()), w, aux); break;
+      case FP8: y = fp8_linear(x, w, aux); break;
       default: y = at::_weight_int4pack_mm_for_cpu(x.to(aux.scalar_type()), w, group, aux); break;
     }
     return bias.defined() ? y + bias : y;
@@ -1240,7 +1406,7 @@ struct DecoderStack {
                 group.size() == 4 && scales.size() == 4, "add_layer: four linears (qkv, o, gate_up, down)");
     StackLinear lin[4];
     for (int i = 0; i < 4; ++i) {
-      TORCH_CHECK(kinds[i] >= StackLinear::DENSE && kinds[i] <= StackLinear::INT4, "unknown linear kind ", kinds[i]);
+      TORCH_CHECK(kinds[i] >= StackLinear::DENSE && kinds[i] <= StackLinear::FP8, "unknown linear kind ", kinds[i]);
       lin[i] = StackLinear{kinds[i], w[i], aux[i], bias[i].numel() ? bias[i] : at::Tensor(), rows[i], group[i],
                            scales[i]};
     }
@@ -1327,5 +1493,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_int8_weight", &pack_int8_weight, "int8 [N, K] weight into skinny_int8's layout");
   m.def("skinny_int8", &skinny_int8, "x @ (W * scales)^T for 0..64 bf16 rows, W int8 packed (AMX)");
   m.def("skinny_bf16", &skinny_bf16, "x @ W^T for 1..skinny_rows rows: AMX tiles, else the dot-product loop");
+  m.def("skinny_fp8", &skinny_fp8, "x @ (W * scales)^T, W float8_e4m3fn [N, K] widened in registers");
+  m.def("fp8_linear", &fp8_linear, "x @ (W * scales)^T: skinny_fp8 up to FP8_SKINNY_ROWS rows, else dequantized");
   m.attr("GEMV_MAX_ROWS") = GEMV_MAX_ROWS;
+  m.attr("FP8_SKINNY_ROWS") = FP8_SKINNY_ROWS;
 }
