@@ -51,8 +51,8 @@ def main() -> None:
                 "lora-on/base-only": None,
                 "mixed": [(loras + [None])[i % 3] for i in range(n)],
             }
-            for llm in set(engines.values()):  # warm each engine at this batch size
-                llm.generate(prompts, params)
+            for name, llm in engines.items():  # warm each case at this batch size (adapters loaded)
+                llm.generate(prompts, params, lora_request=per_req[name])
             rates: dict[str, list[float]] = {k: [] for k in engines}
             for _ in range(args.runs):
                 for name, llm in engines.items():
