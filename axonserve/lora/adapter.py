@@ -53,7 +53,7 @@ def _read_json_bounded(path: str) -> Any:
         raise LoraError(f"{CONFIG_NAME} is larger than {MAX_CONFIG_BYTES} bytes")
     try:
         return json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # (deep nesting: RecursionError)
         raise LoraError(f"{CONFIG_NAME} is not valid JSON") from None
 
 

@@ -107,7 +107,9 @@ def test_missing_files_and_pickle(adapter, tmp_path):
         read_adapter_config("", 16)
 
 
-@pytest.mark.parametrize("junk", [b"{not json", b"[1, 2]", b"\xff\xfe", b"x" * (1 << 20 + 1)])
+@pytest.mark.parametrize(
+    "junk", [b"{not json", b"[1, 2]", b"\xff\xfe", b"x" * (1 << 20 + 1), b"[" * 200_000 + b"]" * 200_000]
+)
 def test_junk_config(adapter, tmp_path, junk):
     d = clone(adapter, str(tmp_path / "junk"))
     with open(os.path.join(d, "adapter_config.json"), "wb") as f:
