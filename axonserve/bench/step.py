@@ -4,7 +4,10 @@ The real scheduler, worker ranks, bus and client serve a null model (`AxonNullFo
 zeros in, zeros out, a 512-token vocabulary), so a step's wall time is scheduling, plan
 encode + broadcast to every rank, the worker's bookkeeping and attention metadata, sampling,
 the result's return and the client's output handling. B requests decode together for T
-tokens; µs per step = elapsed / model forwards, from the scheduler's own counter. With
+tokens; µs per step = elapsed / model forwards, from the scheduler's own counter. Beside the
+wall time, each process's CPU time per step (Linux /proc: user + system, every thread) says
+where the step's work goes: on a box with fewer cores than busy processes the wall time is
+the CPU total over the cores, not the critical path. With
 `--num-workers N` it is also the per-step cost of broadcasting the plan to N ranks; with
 `--num-scheduler-steps N` (multi-step decoding) one plan runs up to N forwards, and with
 `--async-scheduling` the next plan is made while one runs.
@@ -28,6 +31,24 @@ from axonserve.config import EngineConfig
 from axonserve.protocol.messages import SamplingParams
 
 NULL_VOCAB = 512
+_CLK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_s(pid: int) -> float | None:
+    """A process's user + system CPU seconds so far (None: not readable, e.g. not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLK
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _cpu_by_process(sup) -> dict[str, float | None]:
+    """CPU seconds so far of every actor process (by actor name) and of this one (the client)."""
+    out = {name: _cpu_s(c.proc.pid) for name, c in sup.children.items()}
+    out["client"] = _cpu_s(os.getpid())
+    return out
 
 
 def make_null_model(out_dir: str, tokenizer_dir: str) -> str:
@@ -73,12 +94,21 @@ async def _run(config: EngineConfig, batches: list[int], tokens: int, bar: tqdm)
                     pass
 
             s0 = (await client.get_stats()).num_forwards
+            c0 = _cpu_by_process(sup)
             t0 = time.perf_counter()
             await asyncio.gather(*(one(i) for i in range(b)))
             dt = time.perf_counter() - t0
+            c1 = _cpu_by_process(sup)
             steps = (await client.get_stats()).num_forwards - s0
+            cpu = {k: round((c1[k] - v) / steps * 1e6, 1) for k, v in c0.items() if None not in (v, c1.get(k))}
             rows.append(
-                {"batch": b, "steps": steps, "us_per_step": dt / steps * 1e6, "us_per_token": dt / (b * tokens) * 1e6}
+                {
+                    "batch": b,
+                    "steps": steps,
+                    "us_per_step": dt / steps * 1e6,
+                    "us_per_token": dt / (b * tokens) * 1e6,
+                    "cpu_us_per_step": cpu,
+                }
             )
             bar.update(1)
     finally:
@@ -116,6 +146,14 @@ def run_step_bench(args: argparse.Namespace) -> int:
     )
     for r in rows:
         print(f"{r['batch']:>6} {r['steps']:>6} {r['us_per_step']:>9.0f} {r['us_per_token']:>9.1f}")
+    names = sorted({k for r in rows for k in r["cpu_us_per_step"]})
+    if names:
+        print(f"CPU µs per step by process ({os.cpu_count()} cores; clock tick {1e6 / _CLK:.0f} µs):")
+        print(f"{'batch':>6} " + " ".join(f"{n:>10}" for n in names) + f" {'total':>10}")
+        for r in rows:
+            c = r["cpu_us_per_step"]
+            cells = " ".join(f"{c.get(n, float('nan')):>10.0f}" for n in names)
+            print(f"{r['batch']:>6} {cells} {sum(c.values()):>10.0f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(

@@ -35,4 +35,9 @@ def test_bench_step_reports_every_batch(tmp_path, smollm2_dir, workers):
     assert [r["batch"] for r in rows] == [1, 4]
     for r in rows:  # >= 8 steps for 8 tokens; a few more when arrivals straddle steps or a step only drops
         assert 8 <= r["steps"] <= 8 + r["batch"] + 2 and r["us_per_step"] > 0
-    assert "us/step" in proc.stdout
+        if sys.platform == "linux":  # CPU time per step of every process (/proc)
+            assert {"client", "scheduler", "metrics", *(f"worker-{i}" for i in range(workers))} <= set(
+                r["cpu_us_per_step"]
+            )
+            assert all(v >= 0 for v in r["cpu_us_per_step"].values())
+    assert "us/step" in proc.stdout and "CPU µs per step by process" in proc.stdout
