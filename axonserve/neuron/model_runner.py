@@ -29,6 +29,7 @@ from axonserve.engine import sliding_window
 from axonserve.engine.buckets import BucketConfig
 from axonserve.multimodal.worker import ImageEncoderCache, RequestImages, batch_rows
 from axonserve.neuron import sequence_parallel
+from axonserve.neuron.block_table import BlockTable
 from axonserve.neuron.config import ModelConfig
 from axonserve.neuron.kv_transfer import export_kv, import_kv
 from axonserve.neuron.layers.fp8 import kv_code_dtype
@@ -81,6 +82,7 @@ class RequestState:
     kv_export: bool = False  # P/D prefill: its prompt KV leaves with its first token
     lora: LoraSpec | None = None  # its LoRA adapter (None: the base model)
     lora_error: str | None = None  # its adapter failed to load here: it is skipped until dropped
+    row: int = -1  # its row of the runner's BlockTable (a mirror of block_ids)
 
 
 def mem_available_bytes() -> int:
@@ -172,6 +174,7 @@ class ModelRunner:
                 self.model, self.model_config, self.dtype, config.max_loras, config.max_lora_rank, config.max_cpu_loras
             )
         self.requests: dict[str, RequestState] = {}
+        self.block_table = BlockTable()
         self.snapshots = StepSnapshots.from_config(self.model, config.snapshot, rank)  # --snapshot capture
         # vision-language models: images of requests whose plan brings pixels are encoded here
         self.images = (
@@ -336,12 +339,19 @@ class ModelRunner:
             for rid in self.requests:
                 self.eagle.drop(rid)
         self.requests.clear()
+        self.block_table.clear()
+
+    def drop_request(self, rid: str) -> None:
+        """Forget one request (finished, aborted, preempted) and free its block-table row."""
+        st = self.requests.pop(rid, None)
+        if st is not None:
+            self.block_table.free(st.row)
+        if self.eagle is not None:
+            self.eagle.drop(rid)
 
     def _apply_diff(self, plan: StepPlan) -> list[RequestState]:
         for rid in plan.finished_request_ids:
-            self.requests.pop(rid, None)
-            if self.eagle is not None:
-                self.eagle.drop(rid)
+            self.drop_request(rid)
         scheduled: list[RequestState] = []
         for nr in plan.new:
             seed = nr.params.seed
@@ -363,6 +373,9 @@ class ModelRunner:
             if nr.kv is not None:  # P/D decode: the prompt's KV computed by a prefill worker
                 import_kv(self.kv_caches, st.block_ids, self.block_size, nr.kv, self._frames)
             st.kv_export = nr.kv_export
+            if (held := self.requests.get(nr.request_id)) is not None:  # re-sent: replaced
+                self.block_table.free(held.row)
+            st.row = self.block_table.add(st.block_ids)
             self.requests[nr.request_id] = st
             scheduled.append(st)
         for cr in plan.cached:
@@ -370,6 +383,7 @@ class ModelRunner:
             if st is None:
                 raise KeyError(f"request {cr.request_id} is not held by this worker")
             st.block_ids.extend(cr.new_block_ids)
+            self.block_table.extend(st.row, cr.new_block_ids)
             scheduled.append(st)
         if len(scheduled) != len(plan.num_scheduled_tokens):
             raise ValueError(f"{len(scheduled)} scheduled requests but {len(plan.num_scheduled_tokens)} token counts")
@@ -446,7 +460,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             [n for _, n in flat],
             [st.num_computed_tokens for st, _ in flat],
-            [st.block_ids for st, _ in flat],
+            self.block_table.rows([st.row for st, _ in flat]),
             self.block_size,
             native=self.native,
             trees=trees,
@@ -593,7 +607,7 @@ class ModelRunner:
         hidden = self.model(ids, EncoderBatch.build(lens))
         pooled = self.model.pool(hidden, lens, [st.pooling.normalize for st, _ in work])  # type: ignore[union-attr]
         for st, _ in work:
-            self.requests.pop(st.request_id, None)
+            self.drop_request(st.request_id)
         self.result_tensors = [pooled]
         return StepResult(
             step_id=plan.step_id, pooled_request_ids=[st.request_id for st, _ in work], pooled=tensor_ref(1, pooled)

@@ -106,7 +106,7 @@ class DraftModelProposer:
         self.info = {"method": "draft_model", "model": dcfg.model, "num_kv_blocks": self.runner.num_kv_blocks}
 
     def drop(self, rid: str) -> None:
-        self.runner.requests.pop(rid, None)
+        self.runner.drop_request(rid)
         self.free.extend(self.blocks.pop(rid, []))
 
     def propose(self, msg: DraftRequest) -> list[list[int]]:

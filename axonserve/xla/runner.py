@@ -32,6 +32,7 @@ from tqdm import tqdm
 from axonserve.config import EngineConfig
 from axonserve.engine.buckets import BucketConfig, bucket_shapes
 from axonserve.engine.sliding_window import resolve as resolve_sliding_window
+from axonserve.neuron.block_table import BlockTable
 from axonserve.neuron.config import ModelConfig
 from axonserve.neuron.loader import load_model
 from axonserve.neuron.model_runner import DTYPES, ModelRunner, RequestState
@@ -101,6 +102,7 @@ class XlaModelRunner(ModelRunner):
         self.sampler = Sampler(self.eos_token_ids, config.seed)  # rows processed on the host
         self.native = None
         self.requests: dict[str, RequestState] = {}
+        self.block_table = BlockTable()
         self.seeds: dict[str, int] = {}  # request -> the seed its uniforms hash (xla/sampling.py)
         self._seed_rng = np.random.default_rng(config.seed)  # seeds of unseeded requests
         self.snapshots = None

@@ -97,3 +97,57 @@ def test_draft_tree_rows_attend_to_their_ancestors():
             torch.testing.assert_close(out[row : row + qn], ref, atol=1e-5, rtol=1e-5)
             row += qn
     assert len(kinds) == 2 or native.kernels() is None  # the kernel path ran wherever it is built
+
+
+def _fields(meta: AttentionMetadata) -> dict:
+    out = {}
+    for f in ("positions", "slot_mapping", "native_block_table", "native_row_seq", "native_row_kv_len"):
+        out[f] = getattr(meta, f).tolist()
+    out.update(native_rows=meta.native_rows, native_idx=meta.native_idx, prefills=meta.prefills)
+    return out
+
+
+def test_native_decode_batch_equals_the_general_build():
+    """Single-token decodes on the native kernels take `_native_decodes`; it gives exactly what the
+    general `_build` gives, from block lists and from the runner's persistent table."""
+    from axonserve.neuron.block_table import BlockTable
+    from axonserve.neuron.ops import native
+
+    kernels = native.for_dtype(torch.float32)
+    if kernels is None:
+        import pytest
+
+        pytest.skip("native kernels are not built here")
+    g = torch.Generator().manual_seed(1)
+    bs = 4
+    ctx = [0, 3, 4, 7, 8, 31]  # block boundaries on both sides
+    tables = random_block_tables([(1, c) for c in ctx], bs, 64, g)
+    tables = [t + [63, 62] for t in tables]  # blocks held past the step's need (allocated ahead)
+    bt = BlockTable(rows=2, width=2)  # grows in rows and columns
+    bt.free(bt.add([5] * 11))  # a long row freed: the next request reuses it, its stale ids must not leak
+    rows = [bt.add(t[:1]) for t in tables]
+    for r, t in zip(rows, tables):
+        bt.extend(r, t[1:])
+    assert 5 in bt.rows(rows)[0].tolist()
+    for source in (tables, bt.rows(rows)):
+        fast = AttentionMetadata.build([1] * len(ctx), ctx, source, bs, native=kernels)
+        general = AttentionMetadata._build([1] * len(ctx), ctx, tables, bs, kernels, None, None)
+        assert _fields(fast) == _fields(general)
+        windowed = AttentionMetadata._build([1] * len(ctx), ctx, tables, bs, kernels, None, 8)
+        assert fast.rebuild is not None and _fields(fast.rebuild(8)) == _fields(windowed)
+
+
+def test_block_table_rows_follow_adds_extends_and_frees():
+    from axonserve.neuron.block_table import BlockTable
+
+    bt = BlockTable(rows=1, width=1)
+    a = bt.add([1, 2, 3])
+    b = bt.add([7])
+    bt.extend(b, [8, 9, 10, 11])
+    got = bt.rows([b, a]).tolist()
+    assert got[0] == [7, 8, 9, 10, 11] and got[1][:3] == [1, 2, 3]
+    bt.free(a)
+    c = bt.add([4])
+    assert c == a and bt.rows([c]).tolist() == [[4]]
+    bt.clear()
+    assert bt.add([6]) in (a, b) and int(bt.count.sum()) == 1

@@ -26,6 +26,24 @@ from axonserve.neuron.ops.window import apply_window
 from axonserve.speculative.tree import tree_depths
 
 
+def block_table_array(block_tables: list[list[int]] | np.ndarray, need: np.ndarray) -> np.ndarray:
+    """[n, max(need)] int64: row i holds sequence i's first need[i] block ids, zeros after.
+    `block_tables`: a list per sequence, or an int64 array whose row i holds at least need[i]
+    ids (the runner's persistent table, `neuron/block_table.py`: no Python loop per sequence)."""
+    width = int(need.max()) if len(need) else 0
+    if isinstance(block_tables, np.ndarray):
+        if block_tables.shape[1] < width:
+            raise ValueError(f"block table of width {block_tables.shape[1]} for {width} blocks")
+        table = np.array(block_tables[:, :width], dtype=np.int64)  # (a copy: the caller's stays)
+        table[np.arange(width)[None, :] >= need[:, None]] = 0
+        return table
+    table = np.zeros((len(need), width), dtype=np.int64)
+    for i, ids in enumerate(block_tables):
+        k = int(need[i])
+        table[i, :k] = ids[:k]
+    return table
+
+
 @dataclass
 class PrefillSeq:
     """One prefill (or chunked-prefill) sequence: query tokens [start, end) of the flat batch."""
@@ -87,7 +105,7 @@ class AttentionMetadata:
         cls,
         query_lens: list[int],
         context_lens: list[int],
-        block_tables: list[list[int]],
+        block_tables: list[list[int]] | np.ndarray,
         block_size: int,
         native: ModuleType | None = None,
         trees: dict[int, list[int]] | None = None,
@@ -100,6 +118,46 @@ class AttentionMetadata:
         consecutive slots but sit at position context + depth and attend to the context plus their
         ancestors.
         window: a sliding window (ops/window.py); layers get it through `for_window`."""
+        if native is not None and not trees and window is None and query_lens and max(query_lens) == 1:
+            meta = cls._native_decodes(context_lens, block_tables, block_size, native)
+        else:
+            meta = cls._build(query_lens, context_lens, block_tables, block_size, native, trees, window)
+        if window is None:
+            args = (query_lens, context_lens, block_tables, block_size, native, trees)
+            meta.rebuild = functools.partial(cls.build, *args)
+        return meta
+
+    @classmethod
+    def _native_decodes(
+        cls, context_lens: list[int], block_tables: list[list[int]] | np.ndarray, block_size: int, native: ModuleType
+    ) -> "AttentionMetadata":
+        """`_build` for a batch of single-token decodes on the native kernels (the steady state of
+        serving), without the general case's per-token bookkeeping: the same fields, fewer numpy calls."""
+        ctx = np.asarray(context_lens, dtype=np.int64)
+        n = len(ctx)
+        table = block_table_array(block_tables, ctx // block_size + 1)
+        slots = table[np.arange(n), ctx // block_size] * block_size + ctx % block_size
+        return cls(
+            positions=torch.from_numpy(ctx),
+            slot_mapping=torch.from_numpy(slots),
+            native=native,
+            native_rows=n,
+            native_block_table=torch.from_numpy(table),
+            native_row_seq=torch.arange(n),
+            native_row_kv_len=torch.from_numpy(ctx + 1),
+        )
+
+    @classmethod
+    def _build(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]] | np.ndarray,
+        block_size: int,
+        native: ModuleType | None,
+        trees: dict[int, list[int]] | None,
+        window: int | None,
+    ) -> "AttentionMetadata":
         n = len(query_lens)
         q = np.asarray(query_lens, dtype=np.int64)
         ctx = np.asarray(context_lens, dtype=np.int64)
@@ -107,11 +165,7 @@ class AttentionMetadata:
         num_decodes = int(np.argmax(q != 1)) if (q != 1).any() else n
         assert (q[num_decodes:] != 1).all(), "decode sequences must precede prefills"
         blocks_needed = (seq_lens + block_size - 1) // block_size
-        width = int(blocks_needed.max()) if n else 0
-        table = np.zeros((n, width), dtype=np.int64)
-        for i, ids in enumerate(block_tables):
-            k = int(blocks_needed[i])
-            table[i, :k] = ids[:k]
+        table = block_table_array(block_tables, blocks_needed)
         # positions and slots for every flat token
         seq_of_tok = np.repeat(np.arange(n), q)
         starts = np.cumsum(q) - q
@@ -184,7 +238,6 @@ class AttentionMetadata:
             meta.prefills.append(p)
         if window is not None:
             return apply_window(meta, window, q, ctx, table, block_size, prefill_seqs, bool(shapes))
-        meta.rebuild = functools.partial(cls.build, query_lens, context_lens, block_tables, block_size, native, trees)
         return meta
 
 
@@ -230,9 +283,7 @@ class DecodeRun:
         self.ctx = np.asarray(context_lens, dtype=np.int64)
         self.block_tables, self.block_size, self.native = block_tables, block_size, native
         need = (self.ctx + np.asarray(steps, dtype=np.int64) + block_size - 1) // block_size
-        self.table = np.zeros((len(steps), int(need.max()) if len(steps) else 0), dtype=np.int64)
-        for i, ids in enumerate(block_tables):
-            self.table[i, : need[i]] = ids[: need[i]]
+        self.table = block_table_array(block_tables, need)
         self.table_t = torch.from_numpy(self.table)
         self.seq = torch.arange(len(steps))
 
