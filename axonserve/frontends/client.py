@@ -4,10 +4,14 @@ Over 500 lines: the whole client side of the engine protocol (requests, fan-out,
 embeddings, stats, profiler, the reader and the watchdog) shares its routing state.
 
 One DEALER socket to the scheduler's ROUTER. A single reader task decodes every incoming
-frame and routes each `RequestDelta` to its request's asyncio queue; `generate()` consumers
-detokenize and apply stop strings themselves, so that work is spread over the requests'
-own tasks and never blocks the reader. A watchdog pings the engine when it has gone quiet
-with requests in flight, so a dead scheduler ends requests with an error instead of a hang.
+frame and appends each `RequestDelta` to its request's inbox (`_Request.push`), waking the
+request's consumer at most once per message; `generate()` consumers drain everything queued in
+one wake-up, detokenize and apply stop strings themselves, so that work is spread over the
+requests' own tasks and never blocks the reader. (An inbox list and one future per wake-up, not
+an asyncio.Queue: every step's message reaches each request in flight, and the queue's put/get
+bookkeeping per delta was most of the client's CPU per step - issue 33.) A watchdog pings the
+engine when it has gone quiet with requests in flight, so a dead scheduler ends requests with an
+error instead of a hang.
 
     client = await AsyncEngineClient.connect("ipc:///tmp/ax/engine")
     async for out in client.generate("Hello", SamplingParams(max_tokens=8)):
@@ -123,12 +127,33 @@ class _Choice:
 
 @dataclass(slots=True)
 class _Request:
-    queue: asyncio.Queue[RequestDelta] = field(default_factory=asyncio.Queue)
+    inbox: list[RequestDelta] = field(default_factory=list)  # routed, not yet taken by its consumer
+    waiter: asyncio.Future[None] | None = None  # its consumer sleeps on this while the inbox is empty
     choices: dict[str, _Choice] = field(default_factory=dict)
     vectors: dict[str, Any] = field(default_factory=dict)  # embed: engine id -> pooled vector
     prompt_ids: list[int] = field(default_factory=list)
     images: Any = None  # (MultiModalInput, frames) of a vision-language prompt
     lora: LoraSpec | None = None  # its LoRA adapter (kept for a resume after a scheduler restart)
+
+    def push(self, delta: RequestDelta) -> None:
+        """Queue a delta for the consumer and wake it (once: it drains the whole inbox)."""
+        self.inbox.append(delta)
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def take(self) -> list[RequestDelta]:
+        """Everything routed since the last take, waiting while there is nothing."""
+        while not self.inbox:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        out, self.inbox = self.inbox, []
+        return out
 
 
 class AsyncEngineClient:
@@ -372,7 +397,7 @@ class AsyncEngineClient:
                     pooling=pooling or PoolingParams(),
                 )
             )
-            delta = await req.queue.get()
+            delta = (await req.take())[0]
             vec = req.vectors.pop(engine_id, None)
             if delta.finish_reason == "error" and self.dead:
                 raise EngineDeadError(self.dead_reason or delta.error or "engine is dead")
@@ -429,7 +454,7 @@ class AsyncEngineClient:
             return
         for cid in ids:
             self._routes.pop(cid, None)
-            req.queue.put_nowait(RequestDelta(cid, finish_reason="abort"))
+            req.push(RequestDelta(cid, finish_reason="abort"))
         if ids and not self.dead:
             await self._send(AbortRequest(ids))
 
@@ -484,7 +509,7 @@ class AsyncEngineClient:
             self.dead, self.dead_reason = True, reason
             log.error("engine_dead", reason=reason, in_flight=len(self._requests))
         for cid, req in list(self._routes.items()):
-            req.queue.put_nowait(RequestDelta(cid, finish_reason="error", error=reason))
+            req.push(RequestDelta(cid, finish_reason="error", error=reason))
         self._routes.clear()
         for fut in self._profile_waiters:
             if not fut.done():
@@ -525,19 +550,20 @@ class AsyncEngineClient:
             for (cid, choice), p in zip(req.choices.items(), subs):
                 await self._send(AddRequest(cid, prompt_ids, p, arrival_time=now, mm=mm, lora=lora), frames)
                 choice.sent = True
+            choices, num_prompt = req.choices, len(prompt_ids)
             while open_ids:
-                delta = req.queue.get_nowait() if not req.queue.empty() else await req.queue.get()
-                choice = req.choices.get(delta.request_id)
-                if choice is None or choice.finished:
-                    continue
-                out = self._process(request_id, choice, delta, len(prompt_ids))
-                if out.finished:
-                    choice.finished = True
-                    open_ids.discard(choice.engine_id)
-                    if self._routes.pop(choice.engine_id, None) is not None:
-                        self._send_nowait(AbortRequest([choice.engine_id]))  # stop string hit
-                if out.text or out.token_ids or out.finished or out.prompt_logprobs is not None:
-                    yield out
+                for delta in await req.take():
+                    choice = choices.get(delta.request_id)
+                    if choice is None or choice.finished:
+                        continue
+                    out = self._process(request_id, choice, delta, num_prompt)
+                    if out.finish_reason is not None:
+                        choice.finished = True
+                        open_ids.discard(choice.engine_id)
+                        if self._routes.pop(choice.engine_id, None) is not None:
+                            self._send_nowait(AbortRequest([choice.engine_id]))  # stop string hit
+                    if out.text or out.token_ids or out.finish_reason is not None or out.prompt_logprobs is not None:
+                        yield out
         finally:
             self._requests.pop(request_id, None)
             left = [cid for cid in open_ids if self._routes.pop(cid, None) is not None]
@@ -546,34 +572,33 @@ class AsyncEngineClient:
                 log.debug("request_aborted", request_id=request_id, engine_ids=left)
 
     def _process(self, request_id: str, choice: _Choice, delta: RequestDelta, num_prompt: int) -> StreamOutput:
-        choice.token_ids += delta.new_token_ids
-        engine_stop = delta.finish_reason == "stop"
-        d = choice.detok.step(
-            delta.new_token_ids,
-            finished=delta.finish_reason is not None,
-            stop_terminated=engine_stop,
-        )
-        token_ids = delta.new_token_ids[: d.num_tokens]
-        logprobs = delta.logprobs[: d.num_tokens] if delta.logprobs is not None else None
+        new_ids, finish, detok = delta.new_token_ids, delta.finish_reason, choice.detok
+        choice.token_ids += new_ids
+        d = detok.step(new_ids, finished=finish is not None, stop_terminated=finish == "stop")
+        token_ids, logprobs = new_ids, delta.logprobs
+        if d.num_tokens < len(new_ids):  # a stop string ended it inside this delta
+            token_ids = new_ids[: d.num_tokens]
+            logprobs = logprobs[: d.num_tokens] if logprobs is not None else None
         if d.stop_string is not None:
             finish, stop_reason = "stop", d.stop_string
         else:
-            finish, stop_reason = delta.finish_reason, delta.stop_reason
+            stop_reason = delta.stop_reason
+        # positional (StreamOutput's field order): once per request per step, keywords cost more
         return StreamOutput(
-            request_id=request_id,
-            index=choice.index,
-            text=d.text,
-            output_text=choice.detok.text,
-            token_ids=token_ids,
-            logprobs=logprobs,
-            finish_reason=finish,
-            stop_reason=stop_reason,
-            num_prompt_tokens=num_prompt,  # (a resumed request's engine prompt holds its earlier outputs)
-            num_output_tokens=choice.detok.num_output_tokens,
-            num_cached_tokens=delta.num_cached_tokens,
-            error=delta.error,
-            error_code=delta.error_code,
-            prompt_logprobs=delta.prompt_logprobs,
+            request_id,
+            choice.index,
+            d.text,
+            detok.text,
+            token_ids,
+            logprobs,
+            finish,
+            stop_reason,
+            num_prompt,  # (a resumed request's engine prompt holds its earlier outputs)
+            detok.num_output_tokens,
+            delta.num_cached_tokens,
+            delta.error,
+            delta.error_code,
+            delta.prompt_logprobs,
         )
 
     # ------------------------------------------------------------------ socket
@@ -599,14 +624,15 @@ class AsyncEngineClient:
                 log.warning("bad_engine_message", error=str(e))
                 continue
             if isinstance(msg, Outputs):
+                routes = self._routes
                 for delta in msg.deltas:
-                    req = self._routes.get(delta.request_id)
+                    req = routes.get(delta.request_id)
                     if req is not None:
                         if delta.embedding is not None:
                             delta = _keep_vector(req, delta, frames)
-                        req.queue.put_nowait(delta)
+                        req.push(delta)
                         if delta.finish_reason is not None:
-                            del self._routes[delta.request_id]
+                            del routes[delta.request_id]
             elif isinstance(msg, EngineInfo):
                 self.info = msg
                 if self._unresponsive:  # it answers again: serve again

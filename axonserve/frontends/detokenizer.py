@@ -48,6 +48,7 @@ class IncrementalDetokenizer:
         min_tokens: int = 0,
     ):
         self._tok = tokenizer
+        self._decode = tokenizer.decode  # (bound once: two calls per token)
         self._skip = skip_special_tokens
         self._special = tokenizer.special_ids if skip_special_tokens else frozenset()
         self._stop = [s for s in stop if s]
@@ -77,12 +78,14 @@ class IncrementalDetokenizer:
         `stop_terminated`: it ended on a stop token (EOS/stop_token_ids), whose text is then
         left out unless include_stop_str_in_output.
         """
-        if self.finished:
+        if self.stop_string is not None:
             return DetokenizedDelta("", 0, self.stop_string)
         ids = new_token_ids
         if stop_terminated and ids and not self._include_stop:
             ids = ids[:-1]
         accepted = len(new_token_ids)
+        if not self._stop:  # the common case: no stop-string search, no held-back text
+            return self._step_plain(ids, accepted, finished)
         for i, token_id in enumerate(ids):
             self.num_output_tokens += 1
             before = len(self.text)
@@ -100,12 +103,28 @@ class IncrementalDetokenizer:
 
     # ------------------------------------------------------------------ internals
 
+    def _step_plain(self, ids: list[int], accepted: int, finished: bool) -> DetokenizedDelta:
+        """`step` without stop strings: all text is emitted at once (`_emitted` stays at the end)."""
+        self.num_output_tokens += accepted
+        if len(ids) == 1:
+            new = self._decode_next(ids[0])
+        else:
+            new = "".join([self._decode_next(t) for t in ids])
+        if finished:
+            new += self._flush()
+        if new:
+            self.text += new
+            self._emitted = len(self.text)
+        return DetokenizedDelta(new, accepted)
+
     def _decode_next(self, token_id: int) -> str:
         if token_id in self._special:
             return ""
-        self._ids.append(token_id)
-        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
-        full = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
+        ids = self._ids
+        ids.append(token_id)
+        start = self._prefix_offset
+        prefix = self._decode(ids[start : self._read_offset], self._skip)
+        full = self._decode(ids[start:], self._skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
             return full[len(prefix) :]
@@ -113,8 +132,8 @@ class IncrementalDetokenizer:
 
     def _flush(self) -> str:
         """At the end, release text still held for an incomplete character."""
-        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
-        full = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        full = self._decode(self._ids[self._prefix_offset :], self._skip)
         self._prefix_offset = self._read_offset = len(self._ids)
         return full[len(prefix) :] if len(full) > len(prefix) else ""
 

@@ -33,6 +33,7 @@ class Tokenizer:
     def __init__(self, hf: PreTrainedTokenizerBase):
         self.hf = hf
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
+        self._rust_decode = _rust_decode(hf)
 
     @classmethod
     def load(cls, model_dir: str) -> "Tokenizer":
@@ -51,6 +52,8 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=True))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._rust_decode is not None:
+            return self._rust_decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def _token_text(self, token_id: int) -> str:
@@ -83,6 +86,28 @@ class Tokenizer:
         """Render then encode; the template already wrote BOS/role tokens, so add none."""
         text = self.render_chat(messages, **kwargs)
         return list(self.hf.encode(text, add_special_tokens=False))
+
+
+def _rust_decode(hf: PreTrainedTokenizerBase) -> Any:
+    """The `tokenizers` decode that `hf.decode` ends in, when calling it directly returns the same
+    text: a fast tokenizer whose class keeps transformers' own decode and does no space cleanup.
+    The incremental detokenizer decodes twice per generated token, and HF's Python wrapper around
+    this call costs about three times the call itself (issue 33). None: use `hf.decode`."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase as Base
+
+        try:
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend as Fast
+        except ImportError:  # transformers 4
+            from transformers import PreTrainedTokenizerFast as Fast
+    except ImportError:
+        return None
+    cls, backend = type(hf), getattr(hf, "_tokenizer", None)
+    if backend is None or getattr(hf, "clean_up_tokenization_spaces", True):
+        return None
+    if getattr(cls, "decode", None) is not Base.decode or getattr(cls, "_decode", None) is not Fast._decode:
+        return None
+    return backend.decode
 
 
 def _flatten_content(message: dict[str, Any]) -> dict[str, Any]:

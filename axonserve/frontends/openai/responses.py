@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+import msgspec
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from axonserve.frontends.client import AsyncEngineClient, RequestError, StreamOutput
@@ -41,11 +42,22 @@ from axonserve.frontends.openai.protocol import (
 from axonserve.frontends.openai.tools import ToolCallFormatter
 from axonserve.protocol.messages import SamplingParams
 
+_json = msgspec.json.encode
+
+
+def _js(value: str | int | None) -> str:
+    return _json(value).decode()
+
 
 class Format:
     """Turns RequestOutputs into one API's JSON: whole responses and stream chunks.
 
-    Choice `index` is prompt j's choice i at j * n + i; `prompts` holds each prompt's ids."""
+    Choice `index` is prompt j's choice i at j * n + i; `prompts` holds each prompt's ids.
+    A plain stream chunk (no logprobs, echo or tool calls: one per choice per engine step) is
+    written straight from a prebuilt head (`_chunk_head`), the same JSON the pydantic models
+    give at a fraction of their cost (issue 33; tests/frontends/test_sse_chunks.py compares them)."""
+
+    OBJECT = ""  # the stream chunk's "object"
 
     def __init__(
         self, client: AsyncEngineClient, rid: str, model: str, params: SamplingParams, prompts: list[list[int]]
@@ -53,6 +65,8 @@ class Format:
         self.client, self.rid, self.model, self.params = client, rid, model, params
         self.prompts, self.n = prompts, params.n
         self.created = int(time.time())
+        head = {"id": rid, "object": self.OBJECT, "created": self.created, "model": model}
+        self._chunk_head = _json(head)[:-1].decode() + ',"choices":[{"index":'
 
     def prompt_logprob_list(self, index: int, out: StreamOutput) -> PromptLogprobList | None:
         """vLLM's `prompt_logprobs`: None for the first prompt token, then {id: logprob} with
@@ -105,6 +119,8 @@ class Format:
 
 
 class CompletionFormat(Format):
+    OBJECT = "text_completion"
+
     def __init__(self, *args: Any, echo: list[str] | None = None):
         """echo: each prompt's text, put before its choices' text (with logprobs if asked)."""
         super().__init__(*args)
@@ -149,6 +165,18 @@ class CompletionFormat(Format):
         return lp
 
     def chunk(self, index: int, out: StreamOutput) -> str | None:
+        if (
+            self.params.logprobs is None
+            and (self.echo is None or index in self._echoed)
+            and out.prompt_logprobs is None
+        ):
+            if not (out.text or out.finish_reason is not None):
+                return None
+            return (
+                f'{self._chunk_head}{index},"text":{_js(out.text)},"logprobs":null,'
+                f'"finish_reason":{_js(out.finish_reason)},"stop_reason":{_js(out.stop_reason)},'
+                '"prompt_logprobs":null}],"usage":null}'
+            )
         prefix, echo_lp = self._echo_prefix(index, out)
         text = prefix + out.text
         if not (text or out.finished or self.params.logprobs is not None or out.prompt_logprobs):
@@ -202,6 +230,8 @@ def concat_logprobs(a: CompletionLogprobs | None, b: CompletionLogprobs | None) 
 
 
 class ChatFormat(Format):
+    OBJECT = "chat.completion.chunk"
+
     def __init__(self, *args: Any, tools: ToolCallFormatter | None = None):
         """tools: finds tool calls in the output (requests with tools, tool_choice not none)."""
         super().__init__(*args)
@@ -234,6 +264,15 @@ class ChatFormat(Format):
         ]
 
     def chunk(self, index: int, out: StreamOutput) -> str | None:
+        if self.tools is None and self.params.logprobs is None:
+            text = out.text
+            if not (text or out.finish_reason is not None):
+                return None
+            delta = f'{{"content":{_js(text)}}}' if text else "{}"
+            return (
+                f'{self._chunk_head}{index},"delta":{delta},"logprobs":null,'
+                f'"finish_reason":{_js(out.finish_reason)},"stop_reason":{_js(out.stop_reason)}}}],"usage":null}}'
+            )
         text, calls, finish = out.text, None, out.finish_reason
         if self.tools is not None:
             text, calls, finish = self.tools.delta(index, out.text, out.finish_reason)
