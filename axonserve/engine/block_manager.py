@@ -114,8 +114,8 @@ class BlockManager:
 
     def cache_computed(self, req: Request) -> None:
         """Publish the request's full blocks whose KV has been computed (after a step)."""
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching or req.num_computed_tokens // self.block_size <= req.num_cached_blocks:
+            return  # (no block filled since the last call: a decode step, 15 times out of 16)
         self.update_hashes(req)
         full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
         for i in range(max(req.num_cached_blocks, req.num_released_blocks), full):
