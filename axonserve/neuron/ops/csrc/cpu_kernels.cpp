@@ -154,6 +154,44 @@ void by_dtype(at::ScalarType t, const char* name, F&& f) {
     TORCH_CHECK(false, name, ": float32 or bfloat16 only");
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(AXON_AVX512)
+#define AXON_AVX2 1
+// exp on 8 lanes: exp16's Cephes polynomial; 2^n built in the exponent field (n clamped to the
+// normal range: exp of the softmax's shifted scores is <= 1, and below 2^-126 it is 0 for us)
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447505531f));
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i n = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), _mm256_set1_epi32(-126));
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23)));
+}
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+inline float hadd8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+// out[i] = sum of a[i]'s 8 lanes, for 8 vectors at once (hadd tree + one cross-half add)
+inline __m256 reduce8x8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+#endif
+
 // exp over n floats in place
 inline void exp_inplace(float* x, int64_t n) {
   int64_t i = 0;
@@ -164,6 +202,8 @@ inline void exp_inplace(float* x, int64_t n) {
     _mm512_mask_storeu_ps(x + i, m, exp16(_mm512_maskz_loadu_ps(m, x + i)));
     i = n;
   }
+#elif defined(AXON_AVX2)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp8(_mm256_loadu_ps(x + i)));
 #endif
   for (; i < n; ++i) x[i] = std::exp(x[i]);
 }
@@ -176,6 +216,10 @@ inline void softmax_inplace(float* s, int64_t n) {
   __m512 vm = _mm512_set1_ps(-INFINITY);
   for (; i + 16 <= n; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + i));
   m = _mm512_reduce_max_ps(vm);
+#elif defined(AXON_AVX2)
+  __m256 vm = _mm256_set1_ps(-INFINITY);
+  for (; i + 8 <= n; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + i));
+  m = hmax8(vm);
 #endif
   for (; i < n; ++i) m = std::max(m, s[i]);
   i = 0;
@@ -188,12 +232,23 @@ inline void softmax_inplace(float* s, int64_t n) {
     vs = _mm512_add_ps(vs, e);
   }
   sum = _mm512_reduce_add_ps(vs);
+#elif defined(AXON_AVX2)
+  __m256 vs = _mm256_setzero_ps();
+  const __m256 mm = _mm256_set1_ps(m);
+  for (; i + 8 <= n; i += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mm));
+    _mm256_storeu_ps(s + i, e);
+    vs = _mm256_add_ps(vs, e);
+  }
+  sum = hadd8(vs);
 #endif
   for (; i < n; ++i) { s[i] = std::exp(s[i] - m); sum += s[i]; }
   const float inv = 1.f / sum;
   i = 0;
 #ifdef AXON_AVX512
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(inv)));
+#elif defined(AXON_AVX2)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(inv)));
 #endif
   for (; i < n; ++i) s[i] *= inv;
 }
@@ -323,6 +378,88 @@ void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const C* kc, const C
 #endif
 }
 
+// head_dim = 8 * ND with AVX2 (no AVX-512): attend_item_vec's plan at 8 lanes. Keys and values
+// of 8 positions are widened to float32 into L1 once and shared by the G query heads; scores of
+// 8 keys come out of one transposed reduction; the output is accumulated 8 chunks (64 dims) at a
+// time in registers. Same math as the scalar path, in a different summation order.
+template <typename T, typename C, int ND, bool WIN>
+void attend_item_avx2(const AttnArgs& a, const T* qp, T* op, const C* kc, const C* vc, int64_t r, int64_t h,
+                      std::vector<float>& scores, std::vector<int64_t>& off) {
+#ifdef AXON_AVX2
+  constexpr int D = 8 * ND;
+  constexpr bool Q8 = scaled_cache_v<C>;
+  const int64_t G = a.G, L = key_offsets<WIN>(a, r, h, off);
+  scores.resize(G * L + G * D + (Q8 ? 2 * L : 0));
+  float* qs = scores.data() + G * L;  // the G query rows, scaled, as float32
+  float* ksc = qs + G * D;
+  float* vsc = ksc + L;
+  if constexpr (Q8)
+    for (int64_t t = 0; t < L; ++t) { ksc[t] = a.ks[off[t] / D]; vsc[t] = a.vs[off[t] / D]; }
+  for (int64_t g = 0; g < G; ++g) {
+    const T* qg = qp + r * a.q_rs + (h * G + g) * a.q_hs;
+    for (int j = 0; j < D; ++j) qs[g * D + j] = to_f(qg[j]) * a.scale;
+  }
+  alignas(32) float kb[8 * D];
+  constexpr int64_t LINE = 64 / sizeof(C), ROW_LINES = (D + LINE - 1) / LINE;
+  auto prefetch_rows = [&](const C* base, int64_t t0, int64_t t1) {
+    for (int64_t i = t0; i < t1; ++i)
+      for (int64_t c = 0; c < ROW_LINES; ++c) _mm_prefetch(reinterpret_cast<const char*>(base + off[i] + c * LINE), _MM_HINT_T0);
+  };
+  prefetch_rows(kc, 0, std::min<int64_t>(16, L));
+  for (int64_t t = 0; t < L; t += 8) {
+    const int64_t nk = std::min<int64_t>(8, L - t);
+    prefetch_rows(kc, t + 16, std::min<int64_t>(t + 24, L));
+    for (int64_t i = 0; i < 8; ++i) {  // (rows past nk: zeros, their scores are not kept)
+      if (i < nk) {
+        const C* kp = kc + off[t + i];
+        for (int j = 0; j < D; ++j) kb[i * D + j] = to_f(kp[j]);
+      } else {
+        std::memset(kb + i * D, 0, sizeof(float) * D);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qs + g * D;
+      __m256 acc[8];
+      for (int i = 0; i < 8; ++i) {
+        acc[i] = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_load_ps(kb + i * D));
+        for (int c = 1; c < ND; ++c) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_load_ps(kb + i * D + 8 * c), acc[i]);
+      }
+      alignas(32) float dots[8];
+      _mm256_store_ps(dots, reduce8x8(acc));
+      float* sg = scores.data() + g * L + t;
+      for (int64_t i = 0; i < nk; ++i) sg[i] = Q8 ? dots[i] * ksc[t + i] : dots[i];
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * L, L);
+  if constexpr (Q8)  // each value's scale goes into its probability
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t t = 0; t < L; ++t) scores[g * L + t] *= vsc[t];
+  constexpr int CT = ND < 8 ? ND : 8;  // output chunks held in registers per pass
+  alignas(32) float vb[D];
+  for (int64_t g = 0; g < G; ++g) {
+    const float* sg = scores.data() + g * L;
+    T* o = op + r * a.o_rs + (h * G + g) * a.o_hs;
+    for (int c0 = 0; c0 < ND; c0 += CT) {
+      __m256 acc[CT];
+      for (int c = 0; c < CT; ++c) acc[c] = _mm256_setzero_ps();
+      for (int64_t t = 0; t < L; ++t) {
+        const C* vp = vc + off[t] + 8 * c0;
+        const __m256 p = _mm256_set1_ps(sg[t]);
+        if constexpr (std::is_same_v<C, float>) {
+          for (int c = 0; c < CT; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 8 * c), acc[c]);
+        } else {
+          for (int j = 0; j < 8 * CT; ++j) vb[j] = to_f(vp[j]);
+          for (int c = 0; c < CT; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_load_ps(vb + 8 * c), acc[c]);
+        }
+      }
+      alignas(32) float res[8 * CT];
+      for (int c = 0; c < CT; ++c) _mm256_store_ps(res + 8 * c, acc[c]);
+      for (int j = 0; j < 8 * CT; ++j) o[8 * c0 + j] = from_f<T>(res[j]);
+    }
+  }
+#endif
+}
+
 template <typename T, typename C, bool WIN>
 void attend_item_scalar(const AttnArgs& a, const T* qp, T* op, const C* kc, const C* vc, int64_t r, int64_t h,
                         std::vector<float>& scores, std::vector<int64_t>& off) {
@@ -378,6 +515,11 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   else if (a.D == 128) item_fn = win ? &attend_item_vec<T, C, 8, true> : &attend_item_vec<T, C, 8, false>;
   else if (a.D == 32) item_fn = win ? &attend_item_vec<T, C, 2, true> : &attend_item_vec<T, C, 2, false>;
   else if (a.D == 256) item_fn = win ? &attend_item_vec<T, C, 16, true> : &attend_item_vec<T, C, 16, false>;
+#elif defined(AXON_AVX2)
+  if (a.D == 64) item_fn = win ? &attend_item_avx2<T, C, 8, true> : &attend_item_avx2<T, C, 8, false>;
+  else if (a.D == 128) item_fn = win ? &attend_item_avx2<T, C, 16, true> : &attend_item_avx2<T, C, 16, false>;
+  else if (a.D == 32) item_fn = win ? &attend_item_avx2<T, C, 4, true> : &attend_item_avx2<T, C, 4, false>;
+  else if (a.D == 256) item_fn = win ? &attend_item_avx2<T, C, 32, true> : &attend_item_avx2<T, C, 32, false>;
 #endif
   const int64_t n = a.R * a.Hkv;
   auto run = [&](int64_t begin, int64_t end) {
