@@ -24,6 +24,17 @@ from axonserve.logs import setup_logging
 PR_SET_PDEATHSIG = 1
 
 
+def quiet_openmp(environ: dict | os._Environ = os.environ) -> None:
+    """OpenMP threads sleep when they wait (OMP_WAIT_POLICY=PASSIVE) unless the user chose a
+    policy or a spin count. libgomp's default spins: a team whose member lost its core to another
+    process (the frontend, the scheduler, a load generator: every core is shared on a small box)
+    spins away whole time slices at each of a step's hundreds of parallel regions. A 32-row
+    decode step ran 5-8x slower beside one busy process (docs/benchmarks.md#fig-omp-wait). Read
+    when libgomp loads, with torch: set before any actor imports it."""
+    if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
+        environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
 def _die_with_parent(parent_pid: int) -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -80,6 +91,7 @@ async def _run(spec: ActorSpec) -> int:
 
 
 def main() -> None:
+    quiet_openmp()
     spec = msgspec.json.decode(sys.argv[1], type=ActorSpec)
     _die_with_parent(int(os.environ.get("AXONSERVE_PARENT_PID", os.getppid())))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
