@@ -164,10 +164,56 @@ SHAPE_HISTOGRAMS = {  # name -> (help, boundaries)
 }
 
 
+# bounds on what one stats event may hold (events come from a socket anyone local can reach): the
+# scheduler's publisher sends at most STATS_MAX_STEPS steps an event (engine/step.py), lengths
+# are far below 2^31 tokens, label values are short and engines few
+MAX_EVENT_STEPS = 4096
+MAX_EVENT_REQUESTS = 1 << 18
+MAX_SHAPE = 2**31
+MAX_LABEL_CHARS = 64
+MAX_ENGINES = 1024
+MAX_SPEC_POSITIONS = 64
+# StepStats' counters (deltas) -> EngineMetrics' Counter
+STEP_COUNTERS = (
+    ("prompt_tokens", "prompt_tokens"),
+    ("generation_tokens", "generation_tokens"),
+    ("num_preemptions", "preemptions"),
+    ("prefix_cache_queries", "prefix_queries"),
+    ("prefix_cache_hits", "prefix_hits"),
+    ("num_forwards", "forwards"),
+)
+
+
+def observe_many(children: list, bounds: np.ndarray, rows: np.ndarray) -> None:
+    """`children[r].observe(v)` for every v of `rows[r]` (labelled children of one prometheus
+    Histogram; finite values, checked by the caller) in one numpy pass: bucket counts by
+    searchsorted + bincount (`le` inclusive, like observe's `v <= bound`), each sum by a cumsum,
+    which adds in order: the very float that one observe at a time gives. `bounds`: the
+    histogram's upper bounds, +Inf last. (Reaches into prometheus_client's Histogram child, its
+    `_buckets` and `_sum` values; tests/actors/test_metrics.py pins the rendered text.)"""
+    nb = len(bounds)
+    idx = np.searchsorted(bounds, rows) + nb * np.arange(len(rows))[:, None]
+    counts = np.bincount(idx.ravel(), minlength=nb * len(rows))
+    for i in np.flatnonzero(counts).tolist():
+        children[i // nb]._buckets[i % nb].inc(int(counts[i]))
+    start = np.array([[c._sum.get()] for c in children], dtype=np.float64)
+    for c, total in zip(children, np.cumsum(np.hstack((start, rows)), axis=1)[:, -1].tolist()):
+        c._sum.set(total)
+
+
+def _times(values: list[float]) -> np.ndarray:
+    """Durations as an array, or ValueError unless every one is finite and >= 0."""
+    a = np.asarray(values, dtype=np.float64)
+    if a.size and not (np.isfinite(a).all() and a.min() >= 0):
+        raise ValueError("a negative or non-finite duration")
+    return a
+
+
 class ShapeHistograms:
-    """Histograms of the shapes served, by phase (prefill / decode), folded in a whole step at a
-    time (numpy, one call per list) instead of one `observe` per sequence: a step of 256 decodes
-    costs the metrics actor microseconds. A custom collector: a series appears once observed."""
+    """Histograms of the shapes served, by phase (prefill / decode), folded in all the steps of
+    an event at a time (numpy, one call per list) instead of one `observe` per sequence: a step
+    of 256 decodes costs the metrics actor microseconds. A custom collector: a series appears
+    once observed."""
 
     def __init__(self, model: str):
         self.model = model
@@ -182,8 +228,8 @@ class ShapeHistograms:
             self.sums[key] = 0
         return self.counts[key]
 
-    def observe(self, name: str, phase: str, values: list[int]) -> None:
-        if not values:
+    def observe(self, name: str, phase: str, values: list[int] | np.ndarray) -> None:
+        if not len(values):
             return
         v = np.asarray(values, dtype=np.int64)
         if v.min() < 0:
@@ -199,33 +245,57 @@ class ShapeHistograms:
         self._series(name, phase)[np.searchsorted(self.bounds[name], value)] += n
         self.sums[(name, phase)] += value * n
 
-    def record(self, ev: StepStats) -> None:
-        """One step's shapes, checked whole first (a bad event changes nothing)."""
-        phases = (
-            ("prefill", ev.prefill_query_lens, ev.prefill_kv_lens),
-            ("decode", ev.decode_query_lens or None, ev.decode_kv_lens),
-        )
-        for _, query, kv in phases:
-            if query is not None and len(query) != len(kv):
-                raise ValueError("query and KV lengths of different lengths")
-            if min(kv, default=0) < 0 or min(query or [0]) < 0:
-                raise ValueError("negative query or KV length")
-        for phase, query, kv in phases:
-            if kv:
-                self._step(phase, query, kv)
+    def observe_weighted(self, name: str, phase: str, values: np.ndarray, n: np.ndarray) -> None:
+        """Each `values[i]` observed n[i] times (non-negative, checked by the caller)."""
+        counts = self._series(name, phase)
+        idx = np.searchsorted(self.bounds[name], values)
+        counts += np.bincount(idx, weights=n, minlength=len(counts)).astype(np.int64)
+        self.sums[(name, phase)] += int(np.dot(values, n))
 
-    def _step(self, phase: str, query: list[int] | None, kv: list[int]) -> None:
-        """One step's sequences of one phase (query None: one token each)."""
-        n = len(kv)
+    def record(self, ev: StepStats) -> None:
+        """The shapes of the event's steps, checked whole first (a bad event changes nothing)."""
+        phases = []
+        for phase, query, kv, seqs in (
+            ("prefill", ev.prefill_query_lens, ev.prefill_kv_lens, ev.prefill_seqs),
+            ("decode", ev.decode_query_lens or None, ev.decode_kv_lens, ev.decode_seqs),
+        ):
+            phases.append((phase, *self.check(query, kv, seqs)))
+        for phase, query, kv, seqs in phases:
+            if kv.size:
+                self._steps(phase, query, kv, seqs)
+
+    @staticmethod
+    def check(query: list[int] | None, kv: list[int], seqs: list[int]) -> tuple:
+        """One phase's lists as arrays, or ValueError: lengths that disagree, a negative or
+        impossible length, more steps than an event may hold."""
+        if query is not None and len(query) != len(kv):
+            raise ValueError("query and KV lengths of different lengths")
+        if len(seqs) > MAX_EVENT_STEPS:
+            raise ValueError(f"{len(seqs)} steps in one event (at most {MAX_EVENT_STEPS})")
+        k = np.asarray(kv, dtype=np.int64)
+        q = None if query is None else np.asarray(query, dtype=np.int64)
+        n = np.asarray(seqs if seqs else [len(kv)], dtype=np.int64)
+        for a in (k, n) if q is None else (k, n, q):
+            if a.size and (a.min() < 0 or a.max() > MAX_SHAPE):
+                raise ValueError("negative or impossible query or KV length")
+        if int(n.sum()) != len(kv):
+            raise ValueError("sequences per step do not add up to the shape lists")
+        return q, k, n[n > 0]
+
+    def _steps(self, phase: str, query: np.ndarray | None, kv: np.ndarray, seqs: np.ndarray) -> None:
+        """Several steps' sequences of one phase (`seqs`: how many each step has, none 0; query
+        None: one token each); each step's longest counts once per sequence in it."""
+        total = len(kv)
+        starts = np.concatenate(([0], np.cumsum(seqs)[:-1]))
         if query is None:
-            self.observe_n("axonserve:step_query_tokens", phase, 1, n)
-            self.observe_n("axonserve:step_max_query_tokens", phase, 1, n)
+            self.observe_n("axonserve:step_query_tokens", phase, 1, total)
+            self.observe_n("axonserve:step_max_query_tokens", phase, 1, total)
         else:
             self.observe("axonserve:step_query_tokens", phase, query)
-            self.observe_n("axonserve:step_max_query_tokens", phase, max(query), n)
+            self.observe_weighted("axonserve:step_max_query_tokens", phase, np.maximum.reduceat(query, starts), seqs)
         self.observe("axonserve:step_kv_tokens", phase, kv)
-        self.observe_n("axonserve:step_max_kv_tokens", phase, max(kv), n)
-        self.observe_n("axonserve:step_batch_size", phase, n, 1)
+        self.observe_weighted("axonserve:step_max_kv_tokens", phase, np.maximum.reduceat(kv, starts), seqs)
+        self.observe("axonserve:step_batch_size", phase, seqs)
 
     def collect(self):
         for name, (doc, _) in SHAPE_HISTOGRAMS.items():
@@ -236,6 +306,15 @@ class ShapeHistograms:
                     cum = np.cumsum(counts).tolist()
                     fam.add_metric([self.model, phase], list(zip(les, cum)), self.sums[(n, phase)])
             yield fam
+
+
+def _check_request(ev: RequestStats) -> None:
+    """ValueError unless a finished request's figures are possible (a short reason: a label)."""
+    times = (ev.e2e_s, ev.queue_s, ev.prefill_s, ev.decode_s)
+    if len(ev.finish_reason) > MAX_LABEL_CHARS or not all(math.isfinite(t) for t in times):
+        raise ValueError("impossible request stats")
+    if min(ev.prompt_tokens, ev.generation_tokens, ev.cached_tokens, ev.max_tokens) < 0:
+        raise ValueError("a negative token count in request stats")
 
 
 def build_1_2_5(limit: int) -> list[int]:
@@ -320,67 +399,51 @@ class EngineMetrics:
         self.buckets = Info(
             "axonserve:buckets", "Engine limits and the buckets in force (empty: bucketing off)", lbl, registry=r
         )
+        self._children: dict[tuple, object] = {}
+        # histograms observed in bulk (observe_many): their upper bounds, +Inf last
+        self._bounds = {h: np.asarray(h._upper_bounds) for h in (self.iter_tokens, self.ttft, self.itl, self.step_time)}
+
+    def child(self, metric: object, engine: str, *extra: str) -> object:
+        """`metric.labels(model, engine, *extra)`, made once and kept: `labels` takes a lock and
+        builds a key each call, and a StepStats touches ~25 children."""
+        key = (metric, engine, *extra)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(self.model, engine, *extra)  # type: ignore[attr-defined]
+        return c
 
     def apply(self, ev: object) -> None:
-        m = (self.model, str(getattr(ev, "engine", 0)))
-        self.events.labels(*m).inc()
+        engine = getattr(ev, "engine", 0)
+        if not 0 <= engine < MAX_ENGINES:
+            raise ValueError(f"engine {engine} out of range")
+        e = str(engine)
+        self.child(self.events, e).inc()
         if isinstance(ev, StepStats):
-            self.shapes.record(ev)  # (first: it refuses a malformed event before anything counts it)
-            self.running.labels(*m).set(ev.num_running)
-            self.waiting.labels(*m).set(ev.num_waiting)
-            self.kv_usage.labels(*m).set(ev.kv_cache_usage)
-            self.prompt_tokens.labels(*m).inc(ev.prompt_tokens)
-            self.generation_tokens.labels(*m).inc(ev.generation_tokens)
-            self.preemptions.labels(*m).inc(ev.num_preemptions)
-            self.prefix_queries.labels(*m).inc(ev.prefix_cache_queries)
-            self.prefix_hits.labels(*m).inc(ev.prefix_cache_hits)
-            if ev.num_tokens:
-                self.iter_tokens.labels(*m).observe(ev.num_tokens)
-            self.forwards.labels(*m).inc(ev.num_forwards)
-            for v in ev.ttft_s:
-                self.ttft.labels(*m).observe(v)
-            for v in ev.itl_s:
-                self.itl.labels(*m).observe(v)
-            if ev.spec_drafts:
-                self.spec_drafts.labels(*m).inc(ev.spec_drafts)
-                self.spec_draft_tokens.labels(*m).inc(ev.spec_draft_tokens)
-                self.spec_accepted.labels(*m).inc(ev.spec_accepted_tokens)
-                for pos, n in enumerate(ev.spec_accepted_per_pos):
-                    self.spec_per_pos.labels(*m, str(pos)).inc(n)
-            for phase in STEP_PHASES:
-                self.step_time.labels(*m, phase).observe(getattr(ev, f"{phase}_s"))
-            self.dropped.labels(*m, "scheduler").set(ev.dropped)
+            self._step_stats(ev, e)  # (checks the whole event before anything counts it)
         elif isinstance(ev, RequestStats):
-            self.success.labels(*m, ev.finish_reason).inc()
-            self.e2e.labels(*m).observe(ev.e2e_s)
-            self.queue.labels(*m).observe(ev.queue_s)
-            self.req_prompt.labels(*m).observe(ev.prompt_tokens)
-            self.req_gen.labels(*m).observe(ev.generation_tokens)
-            self.prefill.labels(*m).observe(ev.prefill_s)
-            self.decode.labels(*m).observe(ev.decode_s)
-            if ev.generation_tokens > 1:
-                self.tpot.labels(*m).observe(ev.decode_s / (ev.generation_tokens - 1))
+            _check_request(ev)
+            self._request(ev, e)
         elif isinstance(ev, EncoderStats):
-            self.mm_images.labels(*m).inc(ev.images)
-            self.mm_cache_hits.labels(*m).inc(ev.cache_hits)
-            self.mm_encode.labels(*m).inc(ev.encode_s)
-            self.mm_retries.labels(*m).inc(ev.retries)
+            self.child(self.mm_images, e).inc(ev.images)
+            self.child(self.mm_cache_hits, e).inc(ev.cache_hits)
+            self.child(self.mm_encode, e).inc(ev.encode_s)
+            self.child(self.mm_retries, e).inc(ev.retries)
         elif isinstance(ev, CompileStats):
             if not all(0 <= s < math.inf for s in ev.seconds) or ev.cache_hits < 0:
                 raise ValueError(f"impossible compile stats {ev}")
-            self.xla_compiles.labels(*m).inc(len(ev.seconds))
+            self.child(self.xla_compiles, e).inc(len(ev.seconds))
             for s in ev.seconds:
-                self.xla_compile_s.labels(*m).observe(s)
-            self.xla_cache_hits.labels(*m).inc(ev.cache_hits)
+                self.child(self.xla_compile_s, e).observe(s)
+            self.child(self.xla_cache_hits, e).inc(ev.cache_hits)
         elif isinstance(ev, RestartStats):
-            if not 0 <= ev.seconds < math.inf or ev.requests_resumed < 0 or len(ev.actor) > 64:
+            if not 0 <= ev.seconds < math.inf or ev.requests_resumed < 0 or len(ev.actor) > MAX_LABEL_CHARS:
                 raise ValueError(f"impossible restart stats {ev}")
             if ev.actor:
-                self.restarts.labels(*m, ev.actor).inc()
-                self.restart_s.labels(*m).observe(ev.seconds)
-            self.resumed.labels(*m).inc(ev.requests_resumed)
+                self.child(self.restarts, e, ev.actor).inc()
+                self.child(self.restart_s, e).observe(ev.seconds)
+            self.child(self.resumed, e).inc(ev.requests_resumed)
         elif isinstance(ev, BucketInfo):
-            self.buckets.labels(*m).info(
+            self.child(self.buckets, e).info(
                 {
                     f: ",".join(map(str, v)) if isinstance(v, list) else str(v)
                     for f in BucketInfo.__struct_fields__
@@ -389,8 +452,69 @@ class EngineMetrics:
                 }
             )
         elif isinstance(ev, ActorAlive):
-            self.alive.labels(*m, ev.actor).set(time.time())
-            self.dropped.labels(*m, ev.actor).set(ev.dropped)
+            if len(ev.actor) > MAX_LABEL_CHARS:
+                raise ValueError("actor name too long")
+            self.child(self.alive, e, ev.actor).set(time.time())
+            self.child(self.dropped, e, ev.actor).set(ev.dropped)
+
+    def _step_stats(self, ev: StepStats, e: str) -> None:
+        """The scheduler's steps since its last event (engine/step.py coalesces them): checked
+        whole first (a malformed or impossible event changes nothing), then each list observed
+        in one numpy pass."""
+        n = len(ev.num_tokens)
+        counts = [getattr(ev, f) for f, _ in STEP_COUNTERS] + [
+            ev.spec_drafts,
+            ev.spec_draft_tokens,
+            ev.spec_accepted_tokens,
+        ]
+        if n > MAX_EVENT_STEPS or len(ev.finished) > MAX_EVENT_REQUESTS:
+            raise ValueError(f"{n} steps or {len(ev.finished)} requests in one event")
+        if len(ev.spec_accepted_per_pos) > MAX_SPEC_POSITIONS:
+            raise ValueError("accepted draft tokens of too many positions")
+        if min(counts) < 0 or min(ev.num_tokens, default=0) < 0 or min(ev.spec_accepted_per_pos, default=0) < 0:
+            raise ValueError("a negative count")
+        phases = [getattr(ev, f"{p}_s") for p in STEP_PHASES]
+        if any(len(x) != n for x in phases):
+            raise ValueError("per-step lists of different lengths")
+        times, ttft, itl = _times(phases), _times(ev.ttft_s), _times(ev.itl_s)
+        tokens = np.asarray(ev.num_tokens, dtype=np.int64)
+        for r in ev.finished:
+            _check_request(r)
+        self.shapes.record(ev)  # (checks its lists whole before it counts any)
+        c = self.child
+        c(self.running, e).set(ev.num_running)
+        c(self.waiting, e).set(ev.num_waiting)
+        c(self.kv_usage, e).set(ev.kv_cache_usage)
+        for f, metric in STEP_COUNTERS:
+            c(getattr(self, metric), e).inc(getattr(ev, f))
+        tokens = tokens[tokens != 0]
+        for h, values in ((self.iter_tokens, tokens), (self.ttft, ttft), (self.itl, itl)):
+            if values.size:
+                observe_many([c(h, e)], self._bounds[h], values[None])
+        if ev.spec_drafts:
+            c(self.spec_drafts, e).inc(ev.spec_drafts)
+            c(self.spec_draft_tokens, e).inc(ev.spec_draft_tokens)
+            c(self.spec_accepted, e).inc(ev.spec_accepted_tokens)
+            for pos, k in enumerate(ev.spec_accepted_per_pos):
+                c(self.spec_per_pos, e, str(pos)).inc(k)
+        if n:
+            observe_many([c(self.step_time, e, p) for p in STEP_PHASES], self._bounds[self.step_time], times)
+        c(self.dropped, e, "scheduler").set(ev.dropped)
+        for r in ev.finished:
+            self._request(r, e)
+
+    def _request(self, ev: RequestStats, e: str) -> None:
+        """A finished request (checked by `_check_request`)."""
+        c = self.child
+        c(self.success, e, ev.finish_reason).inc()
+        c(self.e2e, e).observe(ev.e2e_s)
+        c(self.queue, e).observe(ev.queue_s)
+        c(self.req_prompt, e).observe(ev.prompt_tokens)
+        c(self.req_gen, e).observe(ev.generation_tokens)
+        c(self.prefill, e).observe(ev.prefill_s)
+        c(self.decode, e).observe(ev.decode_s)
+        if ev.generation_tokens > 1:
+            c(self.tpot, e).observe(ev.decode_s / (ev.generation_tokens - 1))
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()

@@ -254,6 +254,7 @@ class SchedulerActor(Actor):
         """The supervisor is replacing the rank group: requeue every running request (its KV is
         gone: recomputed, its outputs kept), wait for the new ranks, then go on. Clients see a pause."""
         t0 = time.monotonic()
+        self.publish_step.flush(self.stats_dropped)  # the steps done before the loss, not held through it
         resumed = self.sched.workers_lost()
         self.log.warning("workers.lost", running=len(resumed), waiting=len(self.sched.waiting))
         await _wait_either(self.restored, self.dead)
@@ -306,7 +307,9 @@ class SchedulerActor(Actor):
             self.publish_step(step, self.stats_dropped)
 
     async def _idle(self) -> None:
-        """Nothing in flight: wait for work (or, blocked on KV blocks with nothing running, retry soon)."""
+        """Nothing in flight: wait for work (or, blocked on KV blocks with nothing running, retry soon).
+        The stats of the last steps go out first: a scrape right after a request ends sees it."""
+        self.publish_step.flush(self.stats_dropped)
         self._work.clear()
         if self.sched.has_work:
             await asyncio.sleep(0.005)
@@ -461,6 +464,12 @@ class SchedulerActor(Actor):
                         for r in gone
                     ]
                 )
+
+    async def teardown(self) -> None:
+        """The stats of the last steps, if any are still gathering (best effort: stopping)."""
+        if hasattr(self, "publish_step"):
+            self.publish_step.flush(self.stats_dropped)
+        await super().teardown()
 
     # ------------------------------------------------------------------ the core interface (engine/stage.py)
 

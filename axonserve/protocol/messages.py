@@ -510,47 +510,57 @@ class RestartStats(_Msg, tag=38):
 
 
 class StepStats(_Msg, tag=40):
-    """One scheduler step (published after the step, dropped under back-pressure).
-    Counters are deltas since the previous event; gauges are current values."""
+    """The scheduler's steps since its last StepStats, coalesced into one event (the publisher,
+    engine/step.py, sends one per STATS_INTERVAL_S at most, and at once when the engine goes
+    idle): counters are deltas summed over those steps, gauges the values after the last one,
+    and what is observed once per step comes as lists with an entry per step. Requests that
+    finished meanwhile ride along in `finished`. Dropped under back-pressure."""
 
     num_running: int
     num_waiting: int
     kv_cache_usage: float
-    num_seqs: int = 0
-    num_tokens: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    schedule_s: float = 0.0  # building the plan
-    roundtrip_s: float = 0.0  # plan sent -> result received
-    forward_s: float = 0.0  # worker: model forward
-    sample_s: float = 0.0  # worker: sampling
-    update_s: float = 0.0  # applying the result, building deltas
-    ttft_s: list[float] = []  # requests that got their first token this step
-    itl_s: list[float] = []  # gaps before the other tokens of this step
+    num_forwards: int = 0  # model forwards the steps ran (a multi-step plan: several)
     dropped: int = 0  # earlier stats events this publisher dropped
-    send_s: float = 0.0  # plan encoded and published to the workers
-    return_s: float = 0.0  # rest of the round trip: plan/result transit, worker bookkeeping
+    ttft_s: list[float] = []  # requests that got their first token in these steps
+    itl_s: list[float] = []  # gaps before the other tokens of these steps
     # speculative decoding (deltas): verifications, drafted and accepted tokens, accepted by position
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
-    num_forwards: int = 0  # model forwards the step ran (a multi-step plan: several)
+    # per step, one entry each (the step count is len(num_tokens)): tokens scheduled, and the
+    # step's timeline: building the plan, encoding and publishing it to the workers, the worker's
+    # forward and sampling, the rest of the round trip (transit, worker bookkeeping), applying the
+    # result and building deltas; roundtrip: plan sent -> result received
+    num_tokens: list[int] = []
+    schedule_s: list[float] = []
+    send_s: list[float] = []
+    forward_s: list[float] = []
+    sample_s: list[float] = []
+    return_s: list[float] = []
+    update_s: list[float] = []
+    roundtrip_s: list[float] = []
     # shapes served (for `axonserve buckets plan`): per scheduled sequence, tokens this step
-    # (query) and computed + scheduled tokens (KV), by phase (prefill chunk / decode token);
-    # a phase's batch size is its list's length. decode_query_lens empty: one each.
+    # (query) and computed + scheduled tokens (KV), by phase (prefill chunk / decode token),
+    # concatenated over the steps; *_seqs: how many of those entries each step has (a phase's
+    # batch size; empty: the lists are one step's). decode_query_lens empty: one each.
     prefill_query_lens: list[int] = []
     prefill_kv_lens: list[int] = []
+    prefill_seqs: list[int] = []
     decode_query_lens: list[int] = []
     decode_kv_lens: list[int] = []
+    decode_seqs: list[int] = []
+    finished: list[RequestStats] = []  # requests that finished meanwhile (any reason)
     engine: int = 0  # the data-parallel engine it is from (set when published: SchedulerActor.publish)
 
 
 class RequestStats(_Msg, tag=41):
-    """A request finished (any reason)."""
+    """A request finished (any reason): published inside the next StepStats (`finished`)."""
 
     finish_reason: str
     e2e_s: float

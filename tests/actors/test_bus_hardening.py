@@ -196,7 +196,7 @@ def _junk_frames() -> list[list[bytes]]:
             for f in Codec.encode(StepResult(step_id=2, kv_exports=[KVBlocks(4, [TensorRef(1, "float32", [9])])]))
         ],
         [
-            bytes(f) for f in Codec.encode(StepStats(0, 0, 0.0, prompt_tokens=-5, num_tokens=-1))
+            bytes(f) for f in Codec.encode(StepStats(0, 0, 0.0, prompt_tokens=-5, num_tokens=[-1]))
         ],  # a negative counter step
         [bytes(f) for f in Codec.encode(Heartbeat("scheduler", 0.0))],
     ]

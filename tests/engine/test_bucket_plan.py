@@ -252,8 +252,9 @@ def test_planner_defaults_are_the_serve_commands():
     assert SERVE_DEFAULTS == {k: getattr(a, k) for k in SERVE_DEFAULTS}
 
 
-def test_step_stats_carry_the_shapes_and_compiles_follow_the_result():
-    """The scheduler's step publisher: the plan's shapes in StepStats (decode queries of one token
+def test_step_stats_carry_the_shapes_and_compiles_follow_the_result(monkeypatch):
+    """The scheduler's step publisher: the plans' shapes in StepStats, the two steps coalesced
+    into one event on flush (each step's sequences by phase in *_seqs; decode queries of one token
     each sent as an empty list), and a CompileStats after a result that reports compiles."""
     import structlog
 
@@ -261,6 +262,7 @@ def test_step_stats_carry_the_shapes_and_compiles_follow_the_result():
     from axonserve.engine.step import Step, StepStatsPublisher
     from axonserve.protocol.messages import CompileStats
 
+    monkeypatch.setattr("axonserve.engine.step.STATS_INTERVAL_S", 3600.0)  # (a slow box: no early flush)
     s = make(buckets=B((1, 2, 4), (8, 16, 32), (1, 2, 4, 8), (32, 64, 128)), budget=24)
     events: list = []
     publish = StepStatsPublisher(s, events.append, structlog.get_logger())
@@ -274,7 +276,10 @@ def test_step_stats_carry_the_shapes_and_compiles_follow_the_result():
         step.result.compile_s, step.result.compile_cache_hits = compiles, len(compiles)
         s.update(step.result)
         publish(step, 0)
-    stats = [e for e in events if isinstance(e, StepStats)]
-    assert stats[0].prefill_query_lens == [20, 3] and stats[0].prefill_kv_lens == [20, 3]
-    assert stats[1].decode_kv_lens == [21, 4] and stats[1].decode_query_lens == []
+    assert not [e for e in events if isinstance(e, StepStats)]  # (within the interval: gathering)
+    publish.flush(0)
+    (stats,) = [e for e in events if isinstance(e, StepStats)]
+    assert stats.prefill_query_lens == [20, 3] and stats.prefill_kv_lens == [20, 3] and stats.prefill_seqs == [2, 0]
+    assert stats.decode_kv_lens == [21, 4] and stats.decode_query_lens == [] and stats.decode_seqs == [0, 2]
+    assert stats.num_tokens == [23, 2] and len(stats.forward_s) == 2 and stats.prompt_tokens == 23
     assert [e for e in events if isinstance(e, CompileStats)] == [CompileStats(seconds=[2.5, 0.25], cache_hits=2)]
