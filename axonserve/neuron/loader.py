@@ -42,7 +42,8 @@ def load_model(
     cfg: ModelConfig, dtype: torch.dtype, progress: bool = True, quantization: str = "", pack: bool = True
 ) -> nn.Module:
     """quantization: "" (weights as loaded), or a weight-only method of layers/quant.py;
-    pack: bf16 linear weights go into oneDNN's layout once (layers/quant.py PackedWeight)."""
+    pack: bf16 linear weights go into oneDNN's layout once (layers/quant.py PackedWeight), float32
+    ones into native panels on AVX2 CPUs (PanelWeight)."""
     t0 = time.perf_counter()
     model = model_class(cfg.architecture)(cfg, dtype)
     weights = iter_weights(cfg.path, progress)
@@ -53,12 +54,14 @@ def load_model(
         weights, quantization = checkpoint_weights(weights, fp8_cfg), checkpoint_quantization(cfg.path, quantization)
     model.load_weights(weights)
     model.eval()
-    from axonserve.neuron.layers.quant import can_pack, quantize_model
+    from axonserve.neuron.layers.quant import can_pack, panel_kernels, quantize_model
 
     if quantization:
         quantize_model(model, quantization, dtype)
     elif pack and can_pack(dtype):
         quantize_model(model, "packed", dtype)
+    elif pack and panel_kernels(dtype) is not None:
+        quantize_model(model, "panel", dtype)
     n = sum(p.numel() for p in model.parameters() if p is not None)
     log.info(
         "model.loaded", arch=cfg.architecture, params=n, dtype=str(dtype), seconds=round(time.perf_counter() - t0, 2)

@@ -132,6 +132,42 @@ class PackedWeight:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.data, None, "none", [], "")
 
 
+class PanelWeight:
+    """A weight for float32 activations on an AVX2 CPU without AVX-512, in the native
+    `panel_linear` layout ([N/16, K, 16] strips). MKL's float32 GEMM runs decode-sized products
+    far below this machine's peak (SmolLM2's 121 decode matmuls: 36 ms at 1 row, 107 ms at 32,
+    against 10 and 52 here; docs/benchmarks.md#fig-panel-gemm). A bf16 checkpoint served in
+    float32 keeps its values as bf16 (every weight is exactly a bf16: the same numbers in half
+    the bytes, which is what a 1-row step waits for), any other weight keeps float32. Products
+    accumulate in float32 in another order than MKL's (within float32 rounding of it).
+    AXONSERVE_PANEL=0 leaves MKL in charge."""
+
+    method = "panel"
+
+    def __init__(self, w: torch.Tensor, kernels):
+        self.shape = tuple(w.shape)
+        self.kernels = kernels
+        wb = w.bfloat16()
+        exact = torch.equal(wb.float(), w.float())
+        self.data = kernels.pack_panels(wb if exact else w.float().contiguous())
+        self.nbytes = self.data.numel() * self.data.element_size()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            return self.matmul(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.shape[0])
+        return self.kernels.panel_linear(x.float(), self.data).to(x.dtype)
+
+
+def panel_kernels(dtype: torch.dtype):
+    """The native module where float32 linears should run on panels (PanelWeight), else None."""
+    from axonserve.neuron.ops import native
+
+    if dtype != torch.float32 or os.environ.get("AXONSERVE_PANEL", "1") in ("0", "false", "no"):
+        return None
+    k = native.kernels()
+    return k if k is not None and k.has_panel_gemm() else None
+
+
 def _skinny_kernels(w: torch.Tensor):
     """The native module when it can take `w` in the skinny-matmul layout, else None."""
     from axonserve.neuron.ops import native
@@ -156,18 +192,26 @@ def can_pack(dtype: torch.dtype) -> bool:
 
 
 def quantize_model(model: nn.Module, method: str, act_dtype: torch.dtype) -> None:
-    """Give every module with a `quantizable` weight a `qweight` (a low-bit format, or with
-    method "packed" the bf16 weight in oneDNN's layout) and drop its dense weight (tied LM
+    """Give every module with a `quantizable` weight a `qweight` (a low-bit format; with method
+    "packed" the bf16 weight in oneDNN's layout, with "panel" float32 panels) and drop its dense weight (tied LM
     heads keep the embedding's table for lookups and get their own packed copy)."""
     shared = {
         id(p) for m in model.modules() if not getattr(m, "quantizable", False) for p in m.parameters(recurse=False)
     }
+    panels = panel_kernels(act_dtype) if method == "panel" else None
     before = after = 0
     for m in model.modules():
         if not getattr(m, "quantizable", False):
             continue
         w = m.weight
-        m.qweight = PackedWeight(w.data) if method == "packed" else QuantizedWeight(w.data, method, act_dtype)
+        if method == "panel":
+            if panels is None or w.dim() != 2 or w.shape[0] % 16:
+                continue  # (a shard with a row count the panels do not tile stays dense)
+            m.qweight = PanelWeight(w.data, panels)
+        elif method == "packed":
+            m.qweight = PackedWeight(w.data)
+        else:
+            m.qweight = QuantizedWeight(w.data, method, act_dtype)
         before += w.numel() * w.element_size()
         after += m.qweight.nbytes
         if id(w) not in shared:
@@ -182,7 +226,8 @@ def _streamed_into_huge_pages(model: nn.Module) -> None:
     from axonserve.neuron.heap import huge_page_copies
 
     owners = [m.qweight for m in model.modules() if getattr(m, "qweight", None) is not None]
-    slots = [(q, "skinny" if isinstance(q, PackedWeight) or q.skinny is not None else "data") for q in owners]
+    skinny = [isinstance(q, PackedWeight) or getattr(q, "skinny", None) is not None for q in owners]
+    slots = [(q, "skinny" if s else "data") for q, s in zip(owners, skinny)]
     slots = [(q, name) for q, name in slots if isinstance(getattr(q, name), torch.Tensor)]
     for (q, name), t in zip(slots, huge_page_copies([getattr(q, name) for q, name in slots])):
         setattr(q, name, t)

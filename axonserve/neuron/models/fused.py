@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from axonserve.neuron.layers.quant import INT4_GROUP, PackedWeight, QuantizedWeight
+from axonserve.neuron.layers.quant import INT4_GROUP, PackedWeight, PanelWeight, QuantizedWeight
 from axonserve.neuron.ops.attention import AttentionMetadata
 from axonserve.neuron.parallel import TPInfo
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from axonserve.neuron.models.llama import LlamaModel
 
 NONE = torch.empty(0)  # an absent tensor argument (the native side tests numel)
-_KINDS = {"dense": 0, "packed": 1, "int8": 2, "int4": 3, "fp8": 4}
+_KINDS = {"dense": 0, "packed": 1, "int8": 2, "int4": 3, "fp8": 4, "panel": 5}
 
 
 def enabled() -> bool:
@@ -102,6 +102,8 @@ def linear_spec(weight: torch.Tensor | None, bias: torch.Tensor | None, q: Any =
         if not q.onednn:  # kept dense (a CPU without oneDNN bf16)
             return _KINDS["dense"], q.data, NONE, b, 0, 0, NONE
         return _KINDS["packed"], q.data, q.skinny if q.skinny is not None else NONE, b, q.skinny_rows, 0, NONE
+    if isinstance(q, PanelWeight):
+        return _KINDS["panel"], q.data, NONE, b, 0, 0, NONE
     if isinstance(q, QuantizedWeight):
         if q.skinny is not None:
             return _KINDS["packed"], q.data, q.skinny, b, q.skinny_rows, 0, q.skinny_scales

@@ -1475,6 +1475,159 @@ at::Tensor fp8_linear(at::Tensor x, at::Tensor w, at::Tensor scales) {
   return at::linear(x, (w.to(at::kFloat) * scales.unsqueeze(1)).to(x.scalar_type()));
 }
 
+// ------------------------------------------------------------------ panel matmul (float32, AVX2)
+// y = x @ W^T for float32 x on AVX2 CPUs without AVX-512 (layers/quant.py PanelWeight). MKL's
+// float32 GEMM ran SmolLM2's decode matmuls at 7-80 GFLOP/s on the 2-core AMD EPYC (1-32 rows;
+// ~190 peak): these register-blocked tiles run them at 27 (1 row: DRAM-bound) to 167 (32 rows),
+// and prefill sizes at ~175-187 (docs/benchmarks.md#fig-panel-gemm). W [N, K] is stored once as
+// [N/16, K, 16] panels (a 16-column strip per K step, streamed in order). A bf16 checkpoint served
+// in float32 keeps its bf16 values (exact, half the bytes; widened in registers by one unpack with
+// zeros), else the panels hold float32. Products accumulate in float32 over K in order.
+#ifdef AXON_AVX2
+// one K step of a panel: columns 0-7 and 8-15 as float32. bf16 panels are stored in the order
+// _mm256_unpack{lo,hi}_epi16 takes 128-bit lanes apart in (pack_panels' permutation).
+inline void panel_row(const bf16* p, __m256& lo, __m256& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), v));
+  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), v));
+}
+inline void panel_row(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
+}
+
+// MR rows x NB panels: 2 MR NB accumulators (<= 12 of the 16 ymm registers), one broadcast per row
+// and K step. A 1-D accumulator array: GCC keeps it in registers (a [MR][NB][2] one it spilled).
+template <int MR, int NB, typename W>
+inline void panel_tile(const float* x, int64_t xs, const W* w, int64_t K, float* out, int64_t os) {
+  __m256 acc[2 * MR * NB];
+#pragma GCC unroll 16
+  for (int i = 0; i < 2 * MR * NB; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+      __m256 lo, hi;
+      panel_row(w + j * K * 16 + k * 16, lo, hi);
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const __m256 b = _mm256_broadcast_ss(x + m * xs + k);
+        acc[2 * (m * NB + j)] = _mm256_fmadd_ps(b, lo, acc[2 * (m * NB + j)]);
+        acc[2 * (m * NB + j) + 1] = _mm256_fmadd_ps(b, hi, acc[2 * (m * NB + j) + 1]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+      _mm256_storeu_ps(out + m * os + j * 16, acc[2 * (m * NB + j)]);
+      _mm256_storeu_ps(out + m * os + j * 16 + 8, acc[2 * (m * NB + j) + 1]);
+    }
+}
+
+template <typename W>
+inline void panel_rows(int64_t r, const float* x, int64_t xs, const W* w, int64_t K, float* out, int64_t os) {
+  switch (r) {
+    case 1: panel_tile<1, 1>(x, xs, w, K, out, os); break;
+    case 2: panel_tile<2, 1>(x, xs, w, K, out, os); break;
+    case 3: panel_tile<3, 1>(x, xs, w, K, out, os); break;
+    case 4: panel_tile<4, 1>(x, xs, w, K, out, os); break;
+    case 5: panel_tile<5, 1>(x, xs, w, K, out, os); break;
+    default: panel_tile<6, 1>(x, xs, w, K, out, os); break;
+  }
+}
+
+// 1-3 rows: several panels per tile (6 / 3 / 2) so that 12 accumulator chains hide the FMA latency.
+template <typename W>
+void panel_few_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t NP, float* out) {
+  const int64_t N = NP * 16, nb = M == 1 ? 6 : M == 2 ? 3 : 2;
+  const int64_t chunks = (NP + nb - 1) / nb;
+  at::parallel_for(0, chunks, serial_grain(K * 16 * nb, 1), [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t p = c * nb, left = std::min(nb, NP - p);
+      const W* wp = w + p * K * 16;
+      float* op = out + p * 16;
+      if (left < nb) {
+        for (int64_t q = 0; q < left; ++q) panel_rows(M, x, K, wp + q * K * 16, K, op + q * 16, N);
+      } else if (M == 1) {
+        panel_tile<1, 6>(x, K, wp, K, op, N);
+      } else if (M == 2) {
+        panel_tile<2, 3>(x, K, wp, K, op, N);
+      } else {
+        panel_tile<3, 2>(x, K, wp, K, op, N);
+      }
+    }
+  });
+}
+
+// 4+ rows: per panel (in L1 while it is reused), rows in near-equal groups of <= 6; rows in
+// blocks of PANEL_ROW_BLOCK so a block's activations stay in L2 across the panels.
+constexpr int64_t PANEL_ROW_BLOCK = 192;
+template <typename W>
+void panel_many_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t NP, float* out) {
+  const int64_t N = NP * 16;
+  for (int64_t m0 = 0; m0 < M; m0 += PANEL_ROW_BLOCK) {
+    const int64_t MB = std::min(PANEL_ROW_BLOCK, M - m0), groups = (MB + 5) / 6;
+    at::parallel_for(0, NP, serial_grain(K * 16 * MB, 1), [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        int64_t m = m0;
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t r = (m0 + MB - m) / (groups - g);
+          panel_rows(r, x + m * K, K, w + p * K * 16, K, out + m * N + p * 16, N);
+          m += r;
+        }
+      }
+    });
+  }
+}
+#endif
+
+bool has_panel_gemm() {
+#ifdef AXON_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+// W [N, K] (N a multiple of 16) bf16 or float32 -> [N/16, K, 16] panels (bf16 in unpack order).
+at::Tensor pack_panels(at::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.size(0) % 16 == 0, "pack_panels: W [N, K] with N a multiple of 16");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat, "pack_panels: bf16 or float32");
+  at::Tensor p = w.view({w.size(0) / 16, 16, w.size(1)}).transpose(1, 2);
+  if (w.scalar_type() == at::kBFloat16) {
+    // stored position -> column: each 128-bit lane's low 4 go to the `lo` vector, its high 4 to `hi`
+    static const int64_t order[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+    p = p.index_select(2, at::tensor(c10::IntArrayRef(order, 16), at::kLong));
+  }
+  return p.contiguous();
+}
+
+// x [M, K] float32 @ panels^T -> [M, N] float32
+at::Tensor panel_linear(at::Tensor x, at::Tensor wp) {
+  TORCH_CHECK(has_panel_gemm(), "panel_linear needs AVX2 + FMA (and is built only without AVX-512)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "panel_linear: x float32 [M, K]");
+  TORCH_CHECK(wp.dim() == 3 && wp.size(2) == 16 && wp.size(1) == x.size(1) && wp.is_contiguous() &&
+                  (wp.scalar_type() == at::kBFloat16 || wp.scalar_type() == at::kFloat),
+              "panel_linear: wp from pack_panels with K = x.size(1)");
+  const int64_t M = x.size(0), K = x.size(1), NP = wp.size(0);
+  at::Tensor out = at::empty({M, NP * 16}, x.options());
+  if (M == 0 || NP == 0) return out;
+  if (K == 0) return out.zero_();
+#ifdef AXON_AVX2
+  const at::Tensor xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  auto run = [&](auto* w) {
+    if (M <= 3) panel_few_rows(xp, M, K, w, NP, op);
+    else panel_many_rows(xp, M, K, w, NP, op);
+  };
+  if (wp.scalar_type() == at::kBFloat16) run(static_cast<const bf16*>(wp.data_ptr()));
+  else run(wp.data_ptr<float>());
+#endif
+  return out;
+}
+
 // ------------------------------------------------------------------ decoder stack
 // A Llama-family decoder (dense MLP, no per-head norms, one rank) run layer by layer here instead
 // of from Python: the same kernels, in the same order, with the same roundings as the Python
@@ -1484,9 +1637,9 @@ at::Tensor fp8_linear(at::Tensor x, at::Tensor w, at::Tensor scales) {
 
 // One projection as the Python layer runs it (layers/linear.py `linear`, layers/quant.py).
 struct StackLinear {
-  enum Kind : int64_t { DENSE = 0, PACKED = 1, INT8 = 2, INT4 = 3, FP8 = 4 };
+  enum Kind : int64_t { DENSE = 0, PACKED = 1, INT8 = 2, INT4 = 3, FP8 = 4, PANEL = 5 };
   int64_t kind = DENSE;
-  at::Tensor w;     // dense weight | oneDNN-packed bf16 | int8 / int4 packed data
+  at::Tensor w;     // dense weight | oneDNN-packed bf16 | int8 / int4 packed data | float32 x panels
   at::Tensor aux;   // PACKED: the skinny copy (bf16, or int8 with `scales`; may be empty); INT8 / INT4 / FP8: scales
   at::Tensor bias;  // may be undefined
   int64_t rows = 0;   // PACKED: the most rows the skinny copy takes
@@ -1508,6 +1661,7 @@ struct StackLinear {
         break;
       case INT8: y = at::_weight_int8pack_mm(x.to(aux.scalar_type()), w, aux); break;
       case FP8: y = fp8_linear(x, w, aux); break;
+      case PANEL: y = panel_linear(x, w); break;
       default: y = at::_weight_int4pack_mm_for_cpu(x.to(aux.scalar_type()), w, group, aux); break;
     }
     return bias.defined() ? y + bias : y;
@@ -1548,7 +1702,7 @@ struct DecoderStack {
                 group.size() == 4 && scales.size() == 4, "add_layer: four linears (qkv, o, gate_up, down)");
     StackLinear lin[4];
     for (int i = 0; i < 4; ++i) {
-      TORCH_CHECK(kinds[i] >= StackLinear::DENSE && kinds[i] <= StackLinear::FP8, "unknown linear kind ", kinds[i]);
+      TORCH_CHECK(kinds[i] >= StackLinear::DENSE && kinds[i] <= StackLinear::PANEL, "unknown linear kind ", kinds[i]);
       lin[i] = StackLinear{kinds[i], w[i], aux[i], bias[i].numel() ? bias[i] : at::Tensor(), rows[i], group[i],
                            scales[i]};
     }
@@ -1637,6 +1791,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_bf16", &skinny_bf16, "x @ W^T for 1..skinny_rows rows: AMX tiles, else the dot-product loop");
   m.def("skinny_fp8", &skinny_fp8, "x @ (W * scales)^T, W float8_e4m3fn [N, K] widened in registers");
   m.def("fp8_linear", &fp8_linear, "x @ (W * scales)^T: skinny_fp8 up to FP8_SKINNY_ROWS rows, else dequantized");
+  m.def("has_panel_gemm", &has_panel_gemm, "panel_linear is compiled in (AVX2 + FMA without AVX-512)");
+  m.def("pack_panels", &pack_panels, "bf16 / float32 [N, K] weight into panel_linear's [N/16, K, 16] panels");
+  m.def("panel_linear", &panel_linear, "float32 x @ W^T with W in panels (bf16 widened in registers)");
   m.attr("GEMV_MAX_ROWS") = GEMV_MAX_ROWS;
   m.attr("FP8_SKINNY_ROWS") = FP8_SKINNY_ROWS;
 }

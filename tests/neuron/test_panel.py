@@ -1,0 +1,82 @@
+"""Panel matmul (layers/quant.py PanelWeight, csrc panel_linear): float32 linears on AVX2 CPUs.
+
+The kernel against a float64 reference at every tile shape it dispatches to, the weight format
+it chooses (bf16 only where exact), and a bf16 checkpoint served in float32 through the real
+loader against transformers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from axonserve.neuron.layers.quant import PanelWeight, panel_kernels
+from axonserve.neuron.model_source import resolve_model
+
+from .conftest import hf_model, make_runner, make_tiny_llama, runner_logits
+
+kernels = panel_kernels(torch.float32)
+pytestmark = pytest.mark.skipif(kernels is None, reason="panel_linear is built for AVX2 CPUs without AVX-512 only")
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float32 summation error bound of x @ w^T: K eps sum|x||w| (plus a floor)."""
+    k = max(x.shape[1], 1)
+    return k * 2**-23 * (x.double().abs() @ w.double().abs().T) + 1e-30
+
+
+# rows: 1-3 (several panels per tile), 4-6 and odd groups, past PANEL_ROW_BLOCK (192)
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 7, 13, 32, 200, 400])
+@pytest.mark.parametrize("n,k", [(16, 1), (48, 3), (112, 64), (960, 577)])
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+def test_panel_linear_matches_float64(m, n, k, wdtype):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=g).to(wdtype)
+    x = torch.randn(m, k, generator=g)
+    got = kernels.panel_linear(x, kernels.pack_panels(w))
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    ref = x.double() @ w.double().T
+    err = (got.double() - ref).abs()
+    assert (err <= _bound(x, w.float())).all(), err.max()
+
+
+def test_panel_linear_takes_strided_rows_and_refuses_bad_shapes():
+    w = torch.randn(32, 40)
+    x = torch.randn(6, 80)[:, ::2]  # non-contiguous rows
+    torch.testing.assert_close(kernels.panel_linear(x, kernels.pack_panels(w)), x @ w.T, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernels.pack_panels(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="K = x.size"):
+        kernels.panel_linear(torch.randn(2, 9), kernels.pack_panels(torch.randn(16, 8)))
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.panel_linear(torch.randn(2, 8).bfloat16(), kernels.pack_panels(torch.randn(16, 8)))
+
+
+def test_panel_weight_keeps_bf16_only_where_exact():
+    exact = torch.randn(64, 32).bfloat16().float()
+    pw = PanelWeight(exact, kernels)
+    assert pw.data.dtype == torch.bfloat16 and pw.nbytes == 64 * 32 * 2
+    inexact = exact.clone()
+    inexact[3, 5] += 1e-4  # one value off the bf16 grid: the whole weight stays float32
+    pf = PanelWeight(inexact, kernels)
+    assert pf.data.dtype == torch.float32 and pf.nbytes == 64 * 32 * 4
+    x = torch.randn(3, 4, 32)  # leading batch dims are flattened and restored
+    torch.testing.assert_close(pf.matmul(x), x @ inexact.T, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_checkpoint_served_in_float32_matches_transformers(tmp_path):
+    """The loader puts every linear of a float32 model on panels (bf16 ones for a bf16
+    checkpoint) and the logits still equal transformers' float32 ones."""
+    d16 = make_tiny_llama(str(tmp_path))
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(d16, dtype=torch.bfloat16).save_pretrained(d16)  # weights now bf16
+    runner = make_runner(resolve_model(d16), dtype="float32")
+    linears = [m for m in runner.model.modules() if getattr(m, "quantizable", False)]
+    assert linears and all(isinstance(m.qweight, PanelWeight) for m in linears)
+    assert all(m.qweight.data.dtype == torch.bfloat16 for m in linears)
+    ids = torch.randint(0, 1024, (120,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        ref = hf_model(d16)(torch.tensor([ids])).logits[0]
+    for chunks in ([120], [50, 1, 1, 68]):
+        torch.testing.assert_close(runner_logits(runner, ids, chunks), ref, atol=1e-4, rtol=1e-4)
