@@ -91,12 +91,13 @@ def test_rotary_and_cache_write(dtype, head_dim, t):
 @pytest.mark.parametrize("head_dim", [64, 128, 24])  # 3 query heads per KV head: one group of 4, groups of 2 + 1
 @pytest.mark.parametrize("long", [[], [(150, 0), (130, 20)]])
 @pytest.mark.parametrize("far", [[], [(1, 300), (1, 400)]])  # enough keys for the kernel to use threads
-def test_paged_attention_mixed_batch(dtype, head_dim, long, far, monkeypatch):
+@pytest.mark.parametrize("group", [3, 4, 5])  # query heads per KV head: value passes of 3, 3 + 1, 3 + 2 (AVX2)
+def test_paged_attention_mixed_batch(dtype, head_dim, long, far, group, monkeypatch):
     """Decodes, short chunks of different lengths (verification), first chunks and a long prefill
     with a context in one flat batch, through AttentionMetadata.build(native=...) against the torch
     path; chunks of NATIVE_MAX_QUERY+ tokens (first and with a context) mixed in take SDPA."""
     g = _gen(3)
-    bs, blocks, hkv, hq = 4, 512, 2, 6
+    bs, blocks, hkv, hq = 4, 512, 2, 2 * group
     k_cache = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(dtype)
     v_cache = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(dtype)
     seqs = [(1, 0), (1, 12), (1, 33), (3, 9), (5, 17), (4, 0), (30, 6), (40, 0), (2, 3)]  # (query_len, context_len)
