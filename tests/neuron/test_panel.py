@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from axonserve.neuron.layers.quant import PanelWeight, panel_kernels
+from axonserve.neuron.layers.quant import PanelWeight, block_codes, panel_kernels
 from axonserve.neuron.model_source import resolve_model
 
 from .conftest import hf_model, make_runner, make_tiny_llama, runner_logits
@@ -80,3 +80,57 @@ def test_bf16_checkpoint_served_in_float32_matches_transformers(tmp_path):
         ref = hf_model(d16)(torch.tensor([ids])).logits[0]
     for chunks in ([120], [50, 1, 1, 68]):
         torch.testing.assert_close(runner_logits(runner, ids, chunks), ref, atol=1e-4, rtol=1e-4)
+
+
+def _gguf_like(n: int, k: int, kind: str, seed: int) -> torch.Tensor:
+    """What the GGUF converter writes for a Q4_1 / Q8_0 tensor: float32 of q d + m (one rounding),
+    d and m float16, q 4-bit unsigned / 8-bit signed, per row and block of 32 inputs."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = (n, k // 32)
+    d = (torch.rand(blocks, generator=g) * 0.01 + 1e-4).half().double()
+    if kind == "q4":
+        q = torch.randint(0, 16, (*blocks, 32), generator=g).double()
+        q[..., 0], q[..., 1] = 0, 15  # llama.cpp's Q4_1: the block's min and max are codes 0 and 15
+        m = (torch.randn(blocks, generator=g) * 0.05).half().double()
+    else:
+        q = torch.randint(-127, 128, (*blocks, 32), generator=g).double()
+        q[..., 0] = 127  # Q8_0: the largest magnitude is 127
+        m = torch.zeros(blocks, dtype=torch.float64)
+    return (q * d[..., None] + m[..., None]).float().reshape(n, k)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 5, 32, 250])
+def test_block_codes_round_trip_and_matmul(kind, m):
+    n, k = 112, 96
+    w = _gguf_like(n, k, kind, seed=m)
+    pw = PanelWeight(w, kernels)
+    assert pw.format == kind
+    assert pw.nbytes == n * k // (2 if kind == "q4" else 1) + 2 * 2 * n * k // 32  # codes + float16 d, m
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(7))
+    got = pw.matmul(x)
+    ref = x.double() @ w.double().T  # the very float32 weight: the codes must rebuild it exactly
+    assert ((got.double() - ref).abs() <= _bound(x, w)).all()
+
+
+def test_block_codes_refuse_what_they_cannot_rebuild():
+    w = _gguf_like(32, 64, "q4", seed=1)
+    assert block_codes(w) is not None
+    off = w.clone()
+    off[5, 40] = torch.nextafter(off[5, 40], torch.tensor(1.0))  # one value one ulp off its code
+    assert block_codes(off) is None or block_codes(off)[0].dtype == torch.int8  # not as Q4 at least
+    pw = PanelWeight(off, kernels)
+    x = torch.randn(4, 64)
+    assert ((pw.matmul(x).double() - x.double() @ off.double().T).abs() <= _bound(x, off)).all()
+    assert block_codes(torch.randn(32, 64)) is None  # plain float32 weights stay float32
+    assert PanelWeight(torch.randn(32, 64), kernels).format == "float32"
+    assert block_codes(torch.randn(32, 40)) is None  # K not a multiple of 32
+
+
+def test_default_model_layers_load_as_codes():
+    """SmolLM2's GGUF is Q4_1 in its layers and Q8_0 in its (tied) embedding: served in float32,
+    every linear comes back as codes, the LM head as 8-bit ones."""
+    runner = make_runner(resolve_model(None), block_size=16, num_kv_blocks=16)
+    formats = {name: m.qweight.format for name, m in runner.model.named_modules() if getattr(m, "quantizable", False)}
+    assert formats.pop("lm_head") == "q8"
+    assert set(formats.values()) == {"q4"}, formats

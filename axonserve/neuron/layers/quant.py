@@ -136,10 +136,14 @@ class PanelWeight:
     """A weight for float32 activations on an AVX2 CPU without AVX-512, in the native
     `panel_linear` layout ([N/16, K, 16] strips). MKL's float32 GEMM runs decode-sized products
     far below this machine's peak (SmolLM2's 121 decode matmuls: 36 ms at 1 row, 107 ms at 32,
-    against 10 and 52 here; docs/benchmarks.md#fig-panel-gemm). A bf16 checkpoint served in
-    float32 keeps its values as bf16 (every weight is exactly a bf16: the same numbers in half
-    the bytes, which is what a 1-row step waits for), any other weight keeps float32. Products
-    accumulate in float32 in another order than MKL's (within float32 rounding of it).
+    against 10-17 and 52-57 here; docs/benchmarks.md#fig-panel-gemm). The weight keeps its exact
+    values in the fewest bytes that hold them, since a 1-row step waits for the bytes:
+    - block codes (`block_codes`): a GGUF Q4_1 / Q8_0 weight dequantized to float32 by the
+      converter is re-encoded to its 4- / 8-bit codes and float16 scales, bit for bit (the
+      default SmolLM2's layers are Q4_1, its embedding Q8_0: ~5x fewer bytes than float32);
+    - bf16 where every value is a bf16 (a bf16 checkpoint served in float32);
+    - float32 otherwise.
+    Products accumulate in float32 in another order than MKL's (within float32 rounding of it).
     AXONSERVE_PANEL=0 leaves MKL in charge."""
 
     method = "panel"
@@ -147,15 +151,73 @@ class PanelWeight:
     def __init__(self, w: torch.Tensor, kernels):
         self.shape = tuple(w.shape)
         self.kernels = kernels
-        wb = w.bfloat16()
-        exact = torch.equal(wb.float(), w.float())
-        self.data = kernels.pack_panels(wb if exact else w.float().contiguous())
-        self.nbytes = self.data.numel() * self.data.element_size()
+        w = w.float()
+        coded = block_codes(w)
+        if coded is not None:
+            self.data, self.d, self.m = coded
+            self.format = "q4" if self.data.dtype == torch.uint8 else "q8"
+        else:
+            wb = w.bfloat16()
+            exact = torch.equal(wb.float(), w)
+            self.data, self.d, self.m = kernels.pack_panels(wb if exact else w.contiguous()), None, None
+            self.format = "bf16" if exact else "float32"
+        self.nbytes = sum(t.numel() * t.element_size() for t in (self.data, self.d, self.m) if t is not None)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self.matmul(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.shape[0])
+        if self.d is not None:
+            return self.kernels.panel_linear_codes(x.float(), self.data, self.d, self.m).to(x.dtype)
         return self.kernels.panel_linear(x.float(), self.data).to(x.dtype)
+
+
+BLOCK = 32  # K steps per scale: GGUF's Q4_1 / Q8_0 block
+
+
+def block_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """float32 [N, K] -> (codes, d, m) in panel_linear_codes' layout when every block of 32 inputs
+    of every row is exactly fma(q, d, m) with float16 d, m and 4-bit q >= 0 (GGUF Q4_1: the block's
+    minimum is m, its maximum 15 d + m) or exactly q d with 8-bit q (Q8_0: its largest magnitude
+    is 127 |d|); else None. Checked by decoding every value again, so None is the only way wrong
+    codes could come back."""
+    n, k = w.shape
+    if n % 16 or k % BLOCK or n == 0 or k == 0:
+        return None
+    g = w.reshape(n, k // BLOCK, BLOCK)
+    lo = g.amin(-1)
+    d4 = ((g.amax(-1) - lo) / 15).half().float()
+    q4 = _codes(g - lo[..., None], d4, 0, 15)
+    if _f16(lo) and _decodes(g, q4, d4, lo):
+        q = _panels(q4.reshape(n, k)).to(torch.uint8)  # [N/16, K, 16]
+        codes = (q[..., :8] | (q[..., 8:] << 4)).contiguous()  # column c low nibble, c + 8 high
+        return codes, _panels(d4.half()), _panels(lo.half())
+    d8 = (g.abs().amax(-1) / 127).half().float()
+    q8 = _codes(g, d8, -127, 127)
+    zero = torch.zeros_like(d8)
+    if _decodes(g, q8, d8, zero):
+        return _panels(q8.reshape(n, k)).to(torch.int8), _panels(d8.half()), _panels(zero.half())
+    return None
+
+
+def _codes(v: torch.Tensor, d: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    safe = torch.where(d > 0, d, torch.ones_like(d))[..., None]
+    return torch.where(d[..., None] > 0, (v / safe).round(), torch.zeros_like(v)).clamp(lo, hi)
+
+
+def _f16(t: torch.Tensor) -> bool:
+    return torch.equal(t.half().float(), t)
+
+
+def _decodes(g: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> bool:
+    """q d + m, exact in float64 (d q has <= 19 significant bits) and rounded once to float32, as
+    the kernel's fma does, equals every value."""
+    return torch.equal((q.double() * d.double()[..., None] + m.double()[..., None]).float(), g)
+
+
+def _panels(t: torch.Tensor) -> torch.Tensor:
+    """[N, C] -> [N/16, C, 16]: 16 output rows side by side per step."""
+    n, c = t.shape
+    return t.reshape(n // 16, 16, c).transpose(1, 2).contiguous()
 
 
 def panel_kernels(dtype: torch.dtype):

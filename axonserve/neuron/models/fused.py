@@ -102,8 +102,8 @@ def linear_spec(weight: torch.Tensor | None, bias: torch.Tensor | None, q: Any =
         if not q.onednn:  # kept dense (a CPU without oneDNN bf16)
             return _KINDS["dense"], q.data, NONE, b, 0, 0, NONE
         return _KINDS["packed"], q.data, q.skinny if q.skinny is not None else NONE, b, q.skinny_rows, 0, NONE
-    if isinstance(q, PanelWeight):
-        return _KINDS["panel"], q.data, NONE, b, 0, 0, NONE
+    if isinstance(q, PanelWeight):  # (block codes: d in aux, m in scales)
+        return _KINDS["panel"], q.data, q.d if q.d is not None else NONE, b, 0, 0, q.m if q.m is not None else NONE
     if isinstance(q, QuantizedWeight):
         if q.skinny is not None:
             return _KINDS["packed"], q.data, q.skinny, b, q.skinny_rows, 0, q.skinny_scales

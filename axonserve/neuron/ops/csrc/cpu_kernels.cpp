@@ -1556,15 +1556,68 @@ inline void panel_rows(int64_t r, const float* x, int64_t xs, const W* w, int64_
   }
 }
 
-// 1-3 rows: several panels per tile (6 / 3 / 2) so that 12 accumulator chains hide the FMA latency.
+// Where a tile's panels come from: stored as bf16 / float32 (read in place), or as block codes
+// (a GGUF Q4_1 / Q8_0 weight re-encoded exactly at load, layers/quant.py): per output column and
+// group of 32 K steps a float16 scale d and offset m, codes q in 4 bits (two columns a byte: col
+// c low nibble, col c + 8 high) or signed 8 bits; w = fma(q, d, m) rebuilds the checkpoint's
+// float32 values bit for bit (d q is exact, one rounding). Code panels are widened into a per-thread
+// float32 buffer (L2) once per tile and reused by every row group.
 template <typename W>
-void panel_few_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t NP, float* out) {
+struct StoredPanels {
+  using Elem = W;
+  const W* w;
+  int64_t K;
+  const W* get(int64_t p, int64_t, float*) const { return w + p * K * 16; }
+  int64_t buffer_floats(int64_t) const { return 0; }
+};
+
+struct CodePanels {
+  using Elem = float;
+  const uint8_t* codes;
+  const at::Half *d, *m;
+  int64_t K, bits;
+  int64_t buffer_floats(int64_t panels) const { return panels * K * 16; }
+  const float* get(int64_t p0, int64_t n, float* buf) const {
+    const int64_t G = K / 32, row_bytes = bits * 2;  // code bytes per K step: 8 (4-bit) or 16
+    for (int64_t p = p0; p < p0 + n; ++p) {
+      float* out = buf + (p - p0) * K * 16;
+      const uint8_t* c = codes + p * K * row_bytes;
+      for (int64_t g = 0; g < G; ++g) {
+        const __m128i* dp = reinterpret_cast<const __m128i*>(d + (p * G + g) * 16);
+        const __m128i* mp = reinterpret_cast<const __m128i*>(m + (p * G + g) * 16);
+        const __m256 dlo = _mm256_cvtph_ps(_mm_loadu_si128(dp)), dhi = _mm256_cvtph_ps(_mm_loadu_si128(dp + 1));
+        const __m256 mlo = _mm256_cvtph_ps(_mm_loadu_si128(mp)), mhi = _mm256_cvtph_ps(_mm_loadu_si128(mp + 1));
+        for (int64_t k = g * 32; k < g * 32 + 32; ++k) {
+          __m256i lo, hi;
+          if (bits == 4) {
+            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + k * 8)));
+            lo = _mm256_and_si256(v, _mm256_set1_epi32(0xF));
+            hi = _mm256_srli_epi32(v, 4);
+          } else {
+            const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + k * 16));
+            lo = _mm256_cvtepi8_epi32(v);
+            hi = _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8));
+          }
+          _mm256_storeu_ps(out + k * 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), dlo, mlo));
+          _mm256_storeu_ps(out + k * 16 + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), dhi, mhi));
+        }
+      }
+    }
+    return buf;
+  }
+};
+
+// 1-3 rows: several panels per tile (6 / 3 / 2) so that 12 accumulator chains hide the FMA latency.
+template <typename Src>
+void panel_few_rows(const float* x, int64_t M, int64_t K, const Src& src, int64_t NP, float* out) {
+  using W = typename Src::Elem;
   const int64_t N = NP * 16, nb = M == 1 ? 6 : M == 2 ? 3 : 2;
   const int64_t chunks = (NP + nb - 1) / nb;
   at::parallel_for(0, chunks, serial_grain(K * 16 * nb, 1), [&](int64_t c0, int64_t c1) {
+    std::vector<float> buf(src.buffer_floats(nb));
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t p = c * nb, left = std::min(nb, NP - p);
-      const W* wp = w + p * K * 16;
+      const W* wp = src.get(p, left, buf.data());
       float* op = out + p * 16;
       if (left < nb) {
         for (int64_t q = 0; q < left; ++q) panel_rows(M, x, K, wp + q * K * 16, K, op + q * 16, N);
@@ -1582,22 +1635,30 @@ void panel_few_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t NP
 // 4+ rows: per panel (in L1 while it is reused), rows in near-equal groups of <= 6; rows in
 // blocks of PANEL_ROW_BLOCK so a block's activations stay in L2 across the panels.
 constexpr int64_t PANEL_ROW_BLOCK = 192;
-template <typename W>
-void panel_many_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t NP, float* out) {
+template <typename Src>
+void panel_many_rows(const float* x, int64_t M, int64_t K, const Src& src, int64_t NP, float* out) {
   const int64_t N = NP * 16;
   for (int64_t m0 = 0; m0 < M; m0 += PANEL_ROW_BLOCK) {
     const int64_t MB = std::min(PANEL_ROW_BLOCK, M - m0), groups = (MB + 5) / 6;
     at::parallel_for(0, NP, serial_grain(K * 16 * MB, 1), [&](int64_t p0, int64_t p1) {
+      std::vector<float> buf(src.buffer_floats(1));
       for (int64_t p = p0; p < p1; ++p) {
+        const auto* wp = src.get(p, 1, buf.data());
         int64_t m = m0;
         for (int64_t g = 0; g < groups; ++g) {
           const int64_t r = (m0 + MB - m) / (groups - g);
-          panel_rows(r, x + m * K, K, w + p * K * 16, K, out + m * N + p * 16, N);
+          panel_rows(r, x + m * K, K, wp, K, out + m * N + p * 16, N);
           m += r;
         }
       }
     });
   }
+}
+
+template <typename Src>
+void panel_matmul(const float* x, int64_t M, int64_t K, const Src& src, int64_t NP, float* out) {
+  if (M <= 3) panel_few_rows(x, M, K, src, NP, out);
+  else panel_many_rows(x, M, K, src, NP, out);
 }
 #endif
 
@@ -1622,27 +1683,56 @@ at::Tensor pack_panels(at::Tensor w) {
   return p.contiguous();
 }
 
-// x [M, K] float32 @ panels^T -> [M, N] float32
-at::Tensor panel_linear(at::Tensor x, at::Tensor wp) {
+at::Tensor panel_out(const at::Tensor& x, int64_t K, int64_t NP) {
   TORCH_CHECK(has_panel_gemm(), "panel_linear needs AVX2 + FMA (and is built only without AVX-512)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "panel_linear: x float32 [M, K]");
-  TORCH_CHECK(wp.dim() == 3 && wp.size(2) == 16 && wp.size(1) == x.size(1) && wp.is_contiguous() &&
+  TORCH_CHECK(x.size(1) == K, "panel_linear: panels with K = x.size(1)");
+  return at::empty({x.size(0), NP * 16}, x.options());
+}
+
+// x [M, K] float32 @ panels^T -> [M, N] float32
+at::Tensor panel_linear(at::Tensor x, at::Tensor wp) {
+  TORCH_CHECK(wp.dim() == 3 && wp.size(2) == 16 && wp.is_contiguous() &&
                   (wp.scalar_type() == at::kBFloat16 || wp.scalar_type() == at::kFloat),
-              "panel_linear: wp from pack_panels with K = x.size(1)");
-  const int64_t M = x.size(0), K = x.size(1), NP = wp.size(0);
-  at::Tensor out = at::empty({M, NP * 16}, x.options());
+              "panel_linear: wp from pack_panels");
+  const int64_t M = x.size(0), K = wp.size(1), NP = wp.size(0);
+  at::Tensor out = panel_out(x, K, NP);
   if (M == 0 || NP == 0) return out;
   if (K == 0) return out.zero_();
 #ifdef AXON_AVX2
   const at::Tensor xc = x.contiguous();
-  const float* xp = xc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   auto run = [&](auto* w) {
-    if (M <= 3) panel_few_rows(xp, M, K, w, NP, op);
-    else panel_many_rows(xp, M, K, w, NP, op);
+    using W = std::remove_const_t<std::remove_pointer_t<decltype(w)>>;
+    panel_matmul(xc.data_ptr<float>(), M, K, StoredPanels<W>{w, K}, NP, out.data_ptr<float>());
   };
   if (wp.scalar_type() == at::kBFloat16) run(static_cast<const bf16*>(wp.data_ptr()));
   else run(wp.data_ptr<float>());
+#endif
+  return out;
+}
+
+// x [M, K] float32 @ W^T with W as block codes: codes uint8 [N/16, K, 8] (4-bit) or int8
+// [N/16, K, 16], d and m float16 [N/16, K/32, 16] (layers/quant.py block_codes).
+at::Tensor panel_linear_codes(at::Tensor x, at::Tensor codes, at::Tensor d, at::Tensor m) {
+  const bool four = codes.scalar_type() == at::kByte;
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.size(2) == (four ? 8 : 16) &&
+                  (four || codes.scalar_type() == at::kChar),
+              "codes: uint8 [N/16, K, 8] or int8 [N/16, K, 16]");
+  const int64_t NP = codes.size(0), K = codes.size(1);
+  TORCH_CHECK(K % 32 == 0, "codes: K a multiple of 32");
+  for (const at::Tensor* t : {&d, &m})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 && t->size(0) == NP &&
+                    t->size(1) == K / 32 && t->size(2) == 16,
+                "d, m: float16 [N/16, K/32, 16]");
+  const int64_t M = x.size(0);
+  at::Tensor out = panel_out(x, K, NP);
+  if (M == 0 || NP == 0) return out;
+  if (K == 0) return out.zero_();
+#ifdef AXON_AVX2
+  const at::Tensor xc = x.contiguous();
+  const CodePanels src{static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<at::Half>(), m.data_ptr<at::Half>(),
+                       K, four ? 4 : 8};
+  panel_matmul(xc.data_ptr<float>(), M, K, src, NP, out.data_ptr<float>());
 #endif
   return out;
 }
@@ -1659,7 +1749,8 @@ struct StackLinear {
   enum Kind : int64_t { DENSE = 0, PACKED = 1, INT8 = 2, INT4 = 3, FP8 = 4, PANEL = 5 };
   int64_t kind = DENSE;
   at::Tensor w;     // dense weight | oneDNN-packed bf16 | int8 / int4 packed data | float32 x panels
-  at::Tensor aux;   // PACKED: the skinny copy (bf16, or int8 with `scales`; may be empty); INT8 / INT4 / FP8: scales
+  at::Tensor aux;   // PACKED: the skinny copy (bf16, or int8 with `scales`; may be empty); INT8 / INT4 / FP8: scales;
+                    // PANEL: block codes' d (with `scales` their m; empty: stored panels)
   at::Tensor bias;  // may be undefined
   int64_t rows = 0;   // PACKED: the most rows the skinny copy takes
   int64_t group = 0;  // INT4: input columns per scale
@@ -1680,7 +1771,7 @@ struct StackLinear {
         break;
       case INT8: y = at::_weight_int8pack_mm(x.to(aux.scalar_type()), w, aux); break;
       case FP8: y = fp8_linear(x, w, aux); break;
-      case PANEL: y = panel_linear(x, w); break;
+      case PANEL: y = aux.defined() && aux.numel() ? panel_linear_codes(x, w, aux, scales) : panel_linear(x, w); break;
       default: y = at::_weight_int4pack_mm_for_cpu(x.to(aux.scalar_type()), w, group, aux); break;
     }
     return bias.defined() ? y + bias : y;
@@ -1813,6 +1904,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_panel_gemm", &has_panel_gemm, "panel_linear is compiled in (AVX2 + FMA without AVX-512)");
   m.def("pack_panels", &pack_panels, "bf16 / float32 [N, K] weight into panel_linear's [N/16, K, 16] panels");
   m.def("panel_linear", &panel_linear, "float32 x @ W^T with W in panels (bf16 widened in registers)");
+  m.def("panel_linear_codes", &panel_linear_codes, "float32 x @ W^T with W as 4- / 8-bit block codes in panels");
   m.attr("GEMV_MAX_ROWS") = GEMV_MAX_ROWS;
   m.attr("FP8_SKINNY_ROWS") = FP8_SKINNY_ROWS;
 }
