@@ -99,7 +99,7 @@ class StepStatsPublisher:
     def _reset(self, now: float) -> None:
         self.due = now + STATS_INTERVAL_S
         self.times: list[tuple[int, float, float, float, float, float, float, float]] = []
-        self.forwards = self.seqs = 0
+        self.forwards = 0
         self.prefill_q: list[int] = []
         self.prefill_kv: list[int] = []
         self.prefill_seqs: list[int] = []
@@ -135,10 +135,10 @@ class StepStatsPublisher:
         self.decode_q += shapes.decode_q
         self.decode_kv += shapes.decode_kv
         self.decode_seqs.append(len(shapes.decode_kv))
-        self.seqs += len(shapes.prefill_kv) + len(shapes.decode_kv)
         if result.compile_s or result.compile_cache_hits:
             self.publish(CompileStats(seconds=result.compile_s, cache_hits=result.compile_cache_hits))
-        full = len(self.times) >= STATS_MAX_STEPS or max(self.seqs, len(self.sched.finished_stats)) >= STATS_MAX_SEQS
+        seqs = len(self.prefill_kv) + len(self.decode_kv)  # one KV length per sequence and step
+        full = len(self.times) >= STATS_MAX_STEPS or max(seqs, len(self.sched.finished_stats)) >= STATS_MAX_SEQS
         if full or time.monotonic() >= self.due:
             self.flush(dropped)
 

@@ -1655,8 +1655,107 @@ void panel_many_rows(const float* x, int64_t M, int64_t K, const Src& src, int64
   }
 }
 
+// Few rows against code panels: the weights are rebuilt in registers (no buffer round trip), the
+// same fma(q, d, m) then the same products in the same K order as the buffered path. At a few rows
+// the widening, not the bytes, bounds the step: the buffered path spent as long on a 1-row step as
+// float32 panels did (docs/benchmarks.md#fig-panel-gemm).
+template <int BITS>
+inline void code_row_16(const uint8_t* c, int64_t k, __m256& lo, __m256& hi) {
+  __m256i a, b;
+  if constexpr (BITS == 4) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + k * 8)));
+    a = _mm256_and_si256(v, _mm256_set1_epi32(0xF));
+    b = _mm256_srli_epi32(v, 4);
+  } else {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + k * 16));
+    a = _mm256_cvtepi8_epi32(v);
+    b = _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8));
+  }
+  lo = _mm256_cvtepi32_ps(a);
+  hi = _mm256_cvtepi32_ps(b);
+}
+
+template <int MR, int NB, int BITS>
+void code_tile(const float* x, int64_t xs, const CodePanels& src, int64_t p0, float* out, int64_t os) {
+  const int64_t K = src.K, G = K / 32, row_bytes = BITS * 2;
+  __m256 acc[2 * MR * NB];
+  for (int i = 0; i < 2 * MR * NB; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 dm[4 * NB];  // per panel: d lo, d hi, m lo, m hi
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+      const int64_t at = ((p0 + j) * G + g) * 16;
+      const __m128i* dp = reinterpret_cast<const __m128i*>(src.d + at);
+      const __m128i* mp = reinterpret_cast<const __m128i*>(src.m + at);
+      dm[4 * j] = _mm256_cvtph_ps(_mm_loadu_si128(dp));
+      dm[4 * j + 1] = _mm256_cvtph_ps(_mm_loadu_si128(dp + 1));
+      dm[4 * j + 2] = _mm256_cvtph_ps(_mm_loadu_si128(mp));
+      dm[4 * j + 3] = _mm256_cvtph_ps(_mm_loadu_si128(mp + 1));
+    }
+    for (int64_t k = g * 32; k < g * 32 + 32; ++k) {
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) {
+        __m256 lo, hi;
+        code_row_16<BITS>(src.codes + (p0 + j) * K * row_bytes, k, lo, hi);
+        lo = _mm256_fmadd_ps(lo, dm[4 * j], dm[4 * j + 2]);
+        hi = _mm256_fmadd_ps(hi, dm[4 * j + 1], dm[4 * j + 3]);
+#pragma GCC unroll 8
+        for (int m = 0; m < MR; ++m) {
+          const __m256 b = _mm256_broadcast_ss(x + m * xs + k);
+          acc[2 * (m * NB + j)] = _mm256_fmadd_ps(b, lo, acc[2 * (m * NB + j)]);
+          acc[2 * (m * NB + j) + 1] = _mm256_fmadd_ps(b, hi, acc[2 * (m * NB + j) + 1]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+      _mm256_storeu_ps(out + m * os + j * 16, acc[2 * (m * NB + j)]);
+      _mm256_storeu_ps(out + m * os + j * 16 + 8, acc[2 * (m * NB + j) + 1]);
+    }
+}
+
+// Rows in registers against code panels: up to CODE_REG_ROWS rows, in near-equal groups of <= 4
+// per panel (each group rebuilds the panel's weights again); more rows go through the buffer.
+constexpr int64_t CODE_REG_ROWS = 8;
+template <int BITS>
+void code_rows_1(int64_t r, const float* x, int64_t K, const CodePanels& src, int64_t p, float* out, int64_t N) {
+  switch (r) {
+    case 1: code_tile<1, 1, BITS>(x, K, src, p, out, N); break;
+    case 2: code_tile<2, 1, BITS>(x, K, src, p, out, N); break;
+    case 3: code_tile<3, 1, BITS>(x, K, src, p, out, N); break;
+    default: code_tile<4, 1, BITS>(x, K, src, p, out, N); break;
+  }
+}
+
+template <int BITS>
+void code_few_rows(const float* x, int64_t M, const CodePanels& src, int64_t NP, float* out) {
+  const int64_t K = src.K, N = NP * 16, nb = M == 1 ? 2 : 1, groups = (M + 3) / 4;
+  at::parallel_for(0, (NP + nb - 1) / nb, serial_grain(K * 16 * nb, 1), [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t p = c * nb;
+      if (M == 1 && p + 2 <= NP) {
+        code_tile<1, 2, BITS>(x, K, src, p, out + p * 16, N);
+        continue;
+      }
+      int64_t m = 0;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t r = (M - m) / (groups - g);
+        code_rows_1<BITS>(r, x + m * K, K, src, p, out + m * N + p * 16, N);
+        m += r;
+      }
+    }
+  });
+}
+
 template <typename Src>
 void panel_matmul(const float* x, int64_t M, int64_t K, const Src& src, int64_t NP, float* out) {
+  if constexpr (std::is_same_v<Src, CodePanels>) {
+    if (M <= CODE_REG_ROWS)
+      return src.bits == 4 ? code_few_rows<4>(x, M, src, NP, out) : code_few_rows<8>(x, M, src, NP, out);
+  }
   if (M <= 3) panel_few_rows(x, M, K, src, NP, out);
   else panel_many_rows(x, M, K, src, NP, out);
 }
