@@ -385,7 +385,11 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
         metavar="NAME=FLAGS",
         help="also run axonserve with these extra flags, as engine axonserve[NAME] (repeatable)",
     )
-    p.add_argument("--vllm-args", default="", help="extra vLLM api_server flags")
+    p.add_argument(
+        "--vllm-args",
+        default="",
+        help="extra vLLM api_server flags (its --dtype is bfloat16 where the CPU has native bf16, else float32)",
+    )
     p.add_argument("--llamacpp-args", default="", help="extra llama_cpp.server flags")
     p.add_argument("--extra-body", default=None, help="JSON merged into every request body")
     p.add_argument("--start-timeout", type=float, default=None, help="seconds to wait for health")

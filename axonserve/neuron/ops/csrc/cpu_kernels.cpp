@@ -1515,6 +1515,29 @@ inline void panel_row(const float* p, __m256& lo, __m256& hi) {
   hi = _mm256_loadu_ps(p + 8);
 }
 
+// A tile's accumulators: acc[2 (m NB + j) + h] holds rows m, panel j, columns 8h..8h+7.
+template <int MR, int NB>
+__attribute__((always_inline)) inline void tile_fma(__m256* acc, const float* x, int64_t xs, int64_t k, int j,
+                                                    __m256 lo, __m256 hi) {
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    const __m256 b = _mm256_broadcast_ss(x + m * xs + k);
+    acc[2 * (m * NB + j)] = _mm256_fmadd_ps(b, lo, acc[2 * (m * NB + j)]);
+    acc[2 * (m * NB + j) + 1] = _mm256_fmadd_ps(b, hi, acc[2 * (m * NB + j) + 1]);
+  }
+}
+
+template <int MR, int NB>
+__attribute__((always_inline)) inline void tile_store(const __m256* acc, float* out, int64_t os) {
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+      _mm256_storeu_ps(out + m * os + j * 16, acc[2 * (m * NB + j)]);
+      _mm256_storeu_ps(out + m * os + j * 16 + 8, acc[2 * (m * NB + j) + 1]);
+    }
+}
+
 // MR rows x NB panels: 2 MR NB accumulators (<= 12 of the 16 ymm registers), one broadcast per row
 // and K step. A 1-D accumulator array: GCC keeps it in registers (a [MR][NB][2] one it spilled).
 template <int MR, int NB, typename W>
@@ -1527,21 +1550,10 @@ inline void panel_tile(const float* x, int64_t xs, const W* w, int64_t K, float*
     for (int j = 0; j < NB; ++j) {
       __m256 lo, hi;
       panel_row(w + j * K * 16 + k * 16, lo, hi);
-#pragma GCC unroll 8
-      for (int m = 0; m < MR; ++m) {
-        const __m256 b = _mm256_broadcast_ss(x + m * xs + k);
-        acc[2 * (m * NB + j)] = _mm256_fmadd_ps(b, lo, acc[2 * (m * NB + j)]);
-        acc[2 * (m * NB + j) + 1] = _mm256_fmadd_ps(b, hi, acc[2 * (m * NB + j) + 1]);
-      }
+      tile_fma<MR, NB>(acc, x, xs, k, j, lo, hi);
     }
   }
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 8
-    for (int j = 0; j < NB; ++j) {
-      _mm256_storeu_ps(out + m * os + j * 16, acc[2 * (m * NB + j)]);
-      _mm256_storeu_ps(out + m * os + j * 16 + 8, acc[2 * (m * NB + j) + 1]);
-    }
+  tile_store<MR, NB>(acc, out, os);
 }
 
 template <typename W>
@@ -1699,22 +1711,11 @@ void code_tile(const float* x, int64_t xs, const CodePanels& src, int64_t p0, fl
         code_row_16<BITS>(src.codes + (p0 + j) * K * row_bytes, k, lo, hi);
         lo = _mm256_fmadd_ps(lo, dm[4 * j], dm[4 * j + 2]);
         hi = _mm256_fmadd_ps(hi, dm[4 * j + 1], dm[4 * j + 3]);
-#pragma GCC unroll 8
-        for (int m = 0; m < MR; ++m) {
-          const __m256 b = _mm256_broadcast_ss(x + m * xs + k);
-          acc[2 * (m * NB + j)] = _mm256_fmadd_ps(b, lo, acc[2 * (m * NB + j)]);
-          acc[2 * (m * NB + j) + 1] = _mm256_fmadd_ps(b, hi, acc[2 * (m * NB + j) + 1]);
-        }
+        tile_fma<MR, NB>(acc, x, xs, k, j, lo, hi);
       }
     }
   }
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 8
-    for (int j = 0; j < NB; ++j) {
-      _mm256_storeu_ps(out + m * os + j * 16, acc[2 * (m * NB + j)]);
-      _mm256_storeu_ps(out + m * os + j * 16 + 8, acc[2 * (m * NB + j) + 1]);
-    }
+  tile_store<MR, NB>(acc, out, os);
 }
 
 // Rows in registers against code panels: up to CODE_REG_ROWS rows, in near-equal groups of <= 4
