@@ -1753,12 +1753,13 @@ void code_few_rows(const float* x, int64_t M, const CodePanels& src, int64_t NP,
 
 template <typename Src>
 void panel_matmul(const float* x, int64_t M, int64_t K, const Src& src, int64_t NP, float* out) {
-  if constexpr (std::is_same_v<Src, CodePanels>) {
-    if (M <= CODE_REG_ROWS)
-      return src.bits == 4 ? code_few_rows<4>(x, M, src, NP, out) : code_few_rows<8>(x, M, src, NP, out);
+  if constexpr (std::is_same_v<Src, CodePanels>) {  // (few rows: in registers, never the buffer)
+    if (M <= CODE_REG_ROWS) src.bits == 4 ? code_few_rows<4>(x, M, src, NP, out) : code_few_rows<8>(x, M, src, NP, out);
+    else panel_many_rows(x, M, K, src, NP, out);
+  } else {
+    if (M <= 3) panel_few_rows(x, M, K, src, NP, out);
+    else panel_many_rows(x, M, K, src, NP, out);
   }
-  if (M <= 3) panel_few_rows(x, M, K, src, NP, out);
-  else panel_many_rows(x, M, K, src, NP, out);
 }
 #endif
 
