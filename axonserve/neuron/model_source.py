@@ -8,6 +8,8 @@ through an atomic rename and the loser adopts the winner's directory.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import os
@@ -76,10 +78,38 @@ def resolve_model(spec: str | None) -> str:
     )
 
 
+# a conversion not used for this long may be removed when another one of the same file name is made
+_STALE_S = 3600.0
+
+
+@functools.lru_cache(maxsize=16)
+def _content_digest(path: str, size: int, mtime_ns: int) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def gguf_cache_key(path: str) -> str:
+    """Keyed by the file's bytes (and the converter), not its path: every clone or venv holding
+    the same GGUF shares one conversion (a path key left one 0.5 GB copy per clone)."""
     st = os.stat(path)
-    raw = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|v{CONVERTER_VERSION}"
-    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+    digest = _content_digest(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    return hashlib.sha256(f"{digest}|v{CONVERTER_VERSION}".encode()).hexdigest()[:16]
+
+
+def _drop_stale(parent: str, stem: str, keep: str) -> None:
+    """Remove conversions of the same file name (older files or converter versions) and crashed
+    temporaries that have not been used for _STALE_S; a server still reading one keeps its mmap."""
+    now = time.time()
+    for name in os.listdir(parent):
+        full = os.path.join(parent, name)
+        if full == keep or not (name.startswith(f"{stem}-") or name.startswith(".tmp-")):
+            continue
+        try:
+            if now - os.stat(full).st_mtime > _STALE_S:
+                shutil.rmtree(full, ignore_errors=True)
+                log.info("gguf.stale_removed", path=full)
+        except OSError:
+            continue
 
 
 def gguf_to_dir(path: str) -> str:
@@ -87,6 +117,8 @@ def gguf_to_dir(path: str) -> str:
     stem = os.path.basename(path)[: -len(".gguf")]
     final = os.path.join(cache_dir(), "gguf", f"{stem}-{gguf_cache_key(path)}")
     if os.path.isfile(os.path.join(final, "config.json")):
+        with contextlib.suppress(OSError):
+            os.utime(final)  # marks it used, so _drop_stale keeps it
         return final
     os.makedirs(os.path.dirname(final), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(final))
@@ -103,4 +135,5 @@ def gguf_to_dir(path: str) -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("gguf.ready", dst=final, seconds=round(time.perf_counter() - t0, 2))
+    _drop_stale(os.path.dirname(final), stem, final)
     return final

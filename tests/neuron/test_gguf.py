@@ -113,6 +113,31 @@ def test_concurrent_conversions_agree(tiny_gguf, tmp_path):
     assert os.listdir(os.path.dirname(d)) == [os.path.basename(d)]  # no temp dirs left behind
 
 
+def test_conversions_are_keyed_by_content_and_stale_ones_go(tiny_gguf, tmp_path, monkeypatch):
+    """Two clones' venvs hold the same GGUF at different paths: one conversion serves both (a
+    path key left a 0.5 GB copy per clone and filled CI's disk). Changed bytes convert anew, and
+    a conversion unused for an hour is removed when its file name is converted again."""
+    import shutil
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("AXONSERVE_CACHE_DIR", str(cache))
+    other = tmp_path / "clone2"
+    other.mkdir()
+    shutil.copy(tiny_gguf, other / "tiny.gguf")
+    first = resolve_model(tiny_gguf)
+    assert resolve_model(str(other / "tiny.gguf")) == first
+    stale = cache / "gguf" / "tiny-0123456789abcdef"
+    crashed = cache / "gguf" / ".tmp-crashed"
+    for d in (stale, crashed):
+        d.mkdir()
+        os.utime(d, (1, 1))
+    with open(other / "tiny.gguf", "ab") as f:
+        f.write(b"\0" * 32)  # GGUF readers ignore trailing bytes; the content key does not
+    second = resolve_model(str(other / "tiny.gguf"))
+    assert second != first
+    assert sorted(os.listdir(cache / "gguf")) == sorted({os.path.basename(first), os.path.basename(second)})
+
+
 def test_gguf_precision_is_declared_for_dtype_auto(tiny_llama_dir, tiny_gguf, tmp_path, monkeypatch):
     """`--dtype auto` serves a checkpoint at its own precision: an all-F32 GGUF stays float32, one
     with 16-bit (or quantized) weights is a bf16 checkpoint, run in bf16 where the CPU has it."""
