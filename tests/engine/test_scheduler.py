@@ -215,6 +215,43 @@ def test_prefix_cache_reuses_full_blocks_and_recomputes_last_token():
     assert p.new[-1].num_computed_tokens == 8 and p.num_scheduled_tokens[len(p.new) - 1] == 4
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_burst_sharing_a_prefix_computes_it_once(depth):
+    """Prompts arriving together with a shared prefix: the first of each group computes it,
+    the others wait one plan (until it is published) and reuse it; a prompt sharing nothing is
+    not held up behind them. Async scheduling (depth 2) waits for the result, not the plan."""
+    shared = [list(range(60, 72)), list(range(72, 84))]  # two groups, 3 full blocks each
+
+    def burst(s):
+        for i in range(4):
+            s.add(req(f"r{i}", 2 + i, prefix=shared[i % 2]))
+        s.add(req("solo", 5, prefix=[90, 91, 92, 93]))
+
+    s, w = make(block_size=4, budget=64), Worker(next_tok=lambda rid, i: 40 + i)
+    burst(s)
+    outs, finish, plans = drive(s, w, depth=depth)
+    assert [nr.request_id for nr in plans[0].new] == ["r0", "r1", "solo"]
+    later = {nr.request_id: nr.num_computed_tokens for p in plans for nr in p.new}
+    assert later == {"r0": 0, "r1": 0, "solo": 0, "r2": 12, "r3": 12}
+    assert s.prefix_hits == 24
+    ref_s, ref_w = make(block_size=4, budget=64, enable_prefix_caching=False), Worker(next_tok=lambda rid, i: 40 + i)
+    burst(ref_s)
+    assert (outs, finish) == drive(ref_s, ref_w, depth=depth)[:2]
+
+
+def test_a_prefix_computed_in_chunks_is_followed_block_by_block():
+    """A shared prefix longer than the step's budget: the follower takes each block as soon as it
+    is published and never waits on a block nobody computes."""
+    s, w = make(block_size=4, budget=8), Worker(next_tok=lambda rid, i: 40 + i)
+    shared = list(range(60, 80))  # 5 full blocks
+    s.add(req("a", 2, prefix=shared))
+    s.add(req("b", 3, prefix=shared))
+    outs, finish, plans = drive(s, w)
+    (b_new,) = [nr for p in plans for nr in p.new if nr.request_id == "b"]
+    assert b_new.num_computed_tokens == 20 and finish == {"a": "length", "b": "length"}
+    assert len(outs["a"]) == len(outs["b"]) == 8
+
+
 def test_prefix_cache_off_and_eviction_under_pressure():
     s, w = make(block_size=4, enable_prefix_caching=False), Worker()
     s.add(req("a", 8))

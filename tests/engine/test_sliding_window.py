@@ -100,8 +100,8 @@ def test_preemption_with_a_window_loses_nothing():
     for driver in (drive, drive_async):
         s = make(num_blocks=12, budget=16, max_len=512, kv_window=W, max_seqs=4)
         w = Worker(lambda rid, i: 20 + i % 50)
-        for rid in "abcd":
-            s.add(long_req(rid, 30, 40))
+        for k, rid in enumerate("abcd"):  # distinct prompts: a shared one is computed once, in turn
+            s.add(long_req(rid, 30, 40, start=10 + k))
         outs, finish, _ = driver(s, w, max_steps=2000) if driver is drive else driver(s, w)
         assert s.num_preemptions > 0
         assert all(outs[r] == [20 + i % 50 for i in range(40)] for r in "abcd"), outs
