@@ -388,17 +388,18 @@ class Scheduler:
         self, scheduled: list[tuple[Request, int]], budget: int, max_chunk: int | None = None, cap_b: int | None = None
     ) -> None:
         """Admit waiting requests in order while the budget, seats and KV blocks allow. One whose
-        next prefix block another request is computing waits a plan (`_waits_for_prefix`) and
-        those behind it go on."""
+        next prefix block another request is computing waits a plan (`_waits_for_prefix`) with its
+        seat kept, so those behind it go on without taking its place in line."""
         cfg = self.cfg
         computing = self._blocks_in_flight(scheduled) if cfg.enable_prefix_caching and self.waiting else None
-        at = 0
+        at = deferred = 0
         while at < len(self.waiting) and budget > 0 and (cap_b is None or len(scheduled) < cap_b):
             at = self._next_admissible(at) if cfg.max_loras else at
-            if at is None or len(self.running) >= cfg.max_num_seqs or self.waiting[at].num_pending:
+            if at is None or len(self.running) + deferred >= cfg.max_num_seqs or self.waiting[at].num_pending:
                 break  # (a request preempted with a token in flight resumes once that token is back)
             if computing is not None and self._waits_for_prefix(self.waiting[at], computing):
                 at += 1
+                deferred += 1
                 continue
             n = self._admit_head(budget, max_chunk, at=at)
             if not n:

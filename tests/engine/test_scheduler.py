@@ -239,6 +239,20 @@ def test_a_burst_sharing_a_prefix_computes_it_once(depth):
     assert (outs, finish) == drive(ref_s, ref_w, depth=depth)[:2]
 
 
+def test_a_request_waiting_for_a_prefix_keeps_its_seat():
+    """With one seat left, a later prompt does not take the place of one waiting a plan for its
+    prefix: it is admitted after it (first come, first served holds)."""
+    shared = list(range(60, 72))
+    s, w = make(block_size=4, budget=64, max_seqs=2), Worker(next_tok=lambda rid, i: 40 + i)
+    s.add(req("a", 2, prefix=shared, max_tokens=3))
+    s.add(req("b", 3, prefix=shared, max_tokens=3))
+    s.add(req("solo", 5, prefix=[90, 91, 92, 93], max_tokens=3))
+    outs, finish, plans = drive(s, w)
+    admitted = [nr.request_id for p in plans for nr in p.new]
+    assert admitted == ["a", "b", "solo"] and [nr.request_id for nr in plans[0].new] == ["a"]
+    assert set(finish) == {"a", "b", "solo"}
+
+
 def test_a_prefix_computed_in_chunks_is_followed_block_by_block():
     """A shared prefix longer than the step's budget: the follower takes each block as soon as it
     is published and never waits on a block nobody computes."""
