@@ -1583,6 +1583,24 @@ struct StoredPanels {
   int64_t buffer_floats(int64_t) const { return 0; }
 };
 
+// One K step of a code panel's 16 columns as floats (the codes, not yet scaled): low nibbles or
+// bytes 0-7 are columns 0-7, high nibbles or bytes 8-15 columns 8-15.
+template <int BITS>
+inline void code_row_16(const uint8_t* c, int64_t k, __m256& lo, __m256& hi) {
+  __m256i a, b;
+  if constexpr (BITS == 4) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + k * 8)));
+    a = _mm256_and_si256(v, _mm256_set1_epi32(0xF));
+    b = _mm256_srli_epi32(v, 4);
+  } else {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + k * 16));
+    a = _mm256_cvtepi8_epi32(v);
+    b = _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8));
+  }
+  lo = _mm256_cvtepi32_ps(a);
+  hi = _mm256_cvtepi32_ps(b);
+}
+
 struct CodePanels {
   using Elem = float;
   const uint8_t* codes;
@@ -1600,18 +1618,10 @@ struct CodePanels {
         const __m256 dlo = _mm256_cvtph_ps(_mm_loadu_si128(dp)), dhi = _mm256_cvtph_ps(_mm_loadu_si128(dp + 1));
         const __m256 mlo = _mm256_cvtph_ps(_mm_loadu_si128(mp)), mhi = _mm256_cvtph_ps(_mm_loadu_si128(mp + 1));
         for (int64_t k = g * 32; k < g * 32 + 32; ++k) {
-          __m256i lo, hi;
-          if (bits == 4) {
-            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + k * 8)));
-            lo = _mm256_and_si256(v, _mm256_set1_epi32(0xF));
-            hi = _mm256_srli_epi32(v, 4);
-          } else {
-            const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + k * 16));
-            lo = _mm256_cvtepi8_epi32(v);
-            hi = _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8));
-          }
-          _mm256_storeu_ps(out + k * 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), dlo, mlo));
-          _mm256_storeu_ps(out + k * 16 + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), dhi, mhi));
+          __m256 lo, hi;
+          bits == 4 ? code_row_16<4>(c, k, lo, hi) : code_row_16<8>(c, k, lo, hi);
+          _mm256_storeu_ps(out + k * 16, _mm256_fmadd_ps(lo, dlo, mlo));
+          _mm256_storeu_ps(out + k * 16 + 8, _mm256_fmadd_ps(hi, dhi, mhi));
         }
       }
     }
@@ -1671,21 +1681,6 @@ void panel_many_rows(const float* x, int64_t M, int64_t K, const Src& src, int64
 // same fma(q, d, m) then the same products in the same K order as the buffered path. At a few rows
 // the widening, not the bytes, bounds the step: the buffered path spent as long on a 1-row step as
 // float32 panels did (docs/benchmarks.md#fig-panel-gemm).
-template <int BITS>
-inline void code_row_16(const uint8_t* c, int64_t k, __m256& lo, __m256& hi) {
-  __m256i a, b;
-  if constexpr (BITS == 4) {
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + k * 8)));
-    a = _mm256_and_si256(v, _mm256_set1_epi32(0xF));
-    b = _mm256_srli_epi32(v, 4);
-  } else {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + k * 16));
-    a = _mm256_cvtepi8_epi32(v);
-    b = _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8));
-  }
-  lo = _mm256_cvtepi32_ps(a);
-  hi = _mm256_cvtepi32_ps(b);
-}
 
 template <int MR, int NB, int BITS>
 void code_tile(const float* x, int64_t xs, const CodePanels& src, int64_t p0, float* out, int64_t os) {
