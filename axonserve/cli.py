@@ -17,6 +17,7 @@ import structlog
 
 from axonserve import __version__
 from axonserve.config import (
+    ACTIVATION_QUANTIZATIONS,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
     SEQUENCE_PARALLEL_THRESHOLD,
@@ -183,6 +184,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=["", *QUANTIZATIONS],
         help="weight-only quantization of the linear layers and LM head (approximate outputs); fp8 = "
         "float8_e4m3fn with a scale per output row, implied by an FP8 checkpoint",
+    )
+    p.add_argument(
+        "--activation-quantization",
+        default="",
+        choices=["", *ACTIVATION_QUANTIZATIONS],
+        help="int8: a GGUF Q4_1 / Q8_0 model served in float32 on an AVX2 CPU multiplies its weight codes by "
+        "activations rounded to int8 per block of 32, as llama.cpp does (faster, approximate: check it "
+        "with `axonserve validate --activation-quantization int8`)",
     )
     p.add_argument(
         "--kv-cache-dtype",
@@ -489,6 +498,7 @@ def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
         limits=RequestLimits(**{f: getattr(args, f) for f in RequestLimits.__struct_fields__}),
         dtype=args.dtype,
         quantization=args.quantization,
+        activation_quantization=args.activation_quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         num_workers=args.num_workers,
         enable_lora=args.enable_lora,

@@ -161,6 +161,7 @@ class RequestLimits(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unk
 
 
 QUANTIZATIONS = ("int8", "int4", "fp8")  # weight formats (neuron/layers/quant.py)
+ACTIVATION_QUANTIZATIONS = ("int8",)  # block-code weights times int8 activations (layers/quant.py PanelWeight)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names; fp8 = fp8_e4m3
 
 
@@ -211,6 +212,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     limits: RequestLimits = msgspec.field(default_factory=RequestLimits)
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (resolve_dtype; the CLI and LLM default)
     quantization: str = ""  # weight-only int8 | int4 | fp8 (neuron/layers/quant.py); "" = as loaded
+    # "int8": GGUF Q4_1 / Q8_0 weights served in float32 on AVX2 multiply activations rounded to int8
+    # per block of 32 (llama.cpp's arithmetic): faster, approximate, opt-in; "" = exact float32
+    activation_quantization: str = ""
     # KV cache storage (vLLM's --kv-cache-dtype): auto = the model's dtype; int8 / fp8 (= fp8_e4m3) /
     # fp8_e5m2 = codes with a float32 scale per (token, KV head), half the bytes a decode step's
     # attention reads (neuron/layers/fp8.py)
@@ -340,6 +344,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
             from axonserve.engine.sliding_window import check_model_dir  # (reads config.json; no torch)
 
             check_model_dir(self)
+        self._check_activation_quantization()
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; supported: {', '.join(KV_CACHE_DTYPES)}"
@@ -440,6 +445,18 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
         if clash:
             raise ValueError(f"--sequence-parallel is not supported with {clash[0]}")
 
+    def _check_activation_quantization(self) -> None:
+        """int8 activations multiply block codes in float32 panels: nothing else carries them."""
+        aq = self.activation_quantization
+        if not aq:
+            return
+        if aq not in ACTIVATION_QUANTIZATIONS:
+            raise ValueError(f"activation_quantization {aq!r} is not supported; supported: int8")
+        if self.dtype != "float32":
+            raise ValueError(f"--activation-quantization int8 needs --dtype float32 (not {self.dtype})")
+        if self.quantization:
+            raise ValueError("--activation-quantization multiplies the checkpoint's codes: not with --quantization")
+
     def _check_bus(self) -> None:
         """The bus host is advertised to peers and bound: a wildcard or a name is refused here."""
         if self.bus_transport not in ("ipc", "tcp"):
@@ -463,6 +480,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
                 ("the embed task", self.task == "embed"),
                 ("speculative decoding", self.speculative is not None),
                 ("weight quantization", bool(self.quantization)),
+                ("activation quantization", bool(self.activation_quantization)),
                 (f"an {self.kv_cache_dtype} KV cache", self.kv_cache_dtype != "auto"),
                 ("prefill/decode disaggregation", self.role != "both"),
                 ("tensor snapshots", bool(self.snapshot)),

@@ -5,6 +5,7 @@ The serving path: the fused C++ decoder stack where it applies. Run it twice wit
 environments or trees, interleaved, to compare them (docs/benchmarks.md#fig-omp-wait):
 
     PYTHONPATH=. python scripts/decode_step.py float32 32 128
+    PYTHONPATH=. python scripts/decode_step.py float32 32 128 int8   # --activation-quantization int8
 """
 
 import statistics
@@ -20,10 +21,11 @@ from axonserve.neuron.ops import native
 from axonserve.neuron.ops.attention import AttentionMetadata
 
 dtype_name, B, CTX = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 128
+ACT = sys.argv[4] if len(sys.argv) > 4 else ""
 dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
 torch.set_num_threads(2)
 mc = ModelConfig.from_dir(resolve_model(None))
-model = load_model(mc, dt, progress=False)
+model = load_model(mc, dt, progress=False, activation_quantization=ACT)
 BS = 16
 nb = (CTX + BS) // BS + 1
 shape = (B * nb, BS, mc.num_kv_heads, mc.head_dim)

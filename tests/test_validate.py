@@ -102,6 +102,25 @@ def test_validate_smollm2_int8_within_its_bound(tmp_path):
     assert all(r["top1_agreement"] >= 0.75 and r["kl_mean"] < 0.05 for r in rep["requests"])
 
 
+def test_validate_smollm2_int8_activations_within_their_bound(tmp_path):
+    """--activation-quantization int8 (the default GGUF's codes times int8 activations, served in
+    float32 through the real engine) against transformers on the same weights: the report passes
+    with the format's own bound (validate.ACT_TOL) and the greedy tokens mostly agree."""
+    import torch
+
+    from axonserve.neuron.layers.quant import panel_kernels
+    from axonserve.validate import ACT_TOL
+
+    if panel_kernels(torch.float32) is None:
+        pytest.skip("panel kernels are built for AVX2 CPUs without AVX-512 only")
+    args = ("--activation-quantization", "int8", "--max-tokens", "8", "--report", str(tmp_path / "r.json"))
+    proc, rep = validate(*args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (rep["tolerances"]["atol"], rep["tolerances"]["hidden_rtol"]) == ACT_TOL["int8"] and rep["passed"]
+    assert all(r["top1_agreement"] >= 0.75 and r["kl_mean"] < 0.05 for r in rep["requests"])
+    assert any(r["logits_max_abs"] > 0.01 for r in rep["requests"])  # the activations were rounded
+
+
 @pytest.mark.parametrize("flags", [("-q", "fp8"), ("--kv-cache-dtype", "fp8"), ("--kv-cache-dtype", "fp8_e5m2")])
 def test_validate_fp8_within_its_bound(tiny4_dir, tmp_path, flags):
     """FP8 weights or an FP8 KV cache against the float32 transformers reference: the report

@@ -39,11 +39,17 @@ def iter_weights(path: str, progress: bool = True) -> Iterator[tuple[str, torch.
 
 
 def load_model(
-    cfg: ModelConfig, dtype: torch.dtype, progress: bool = True, quantization: str = "", pack: bool = True
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    progress: bool = True,
+    quantization: str = "",
+    pack: bool = True,
+    activation_quantization: str = "",
 ) -> nn.Module:
     """quantization: "" (weights as loaded), or a weight-only method of layers/quant.py;
     pack: bf16 linear weights go into oneDNN's layout once (layers/quant.py PackedWeight), float32
-    ones into native panels on AVX2 CPUs (PanelWeight)."""
+    ones into native panels on AVX2 CPUs (PanelWeight); activation_quantization "int8": block-code
+    panels multiply int8 activations (an error where no weight is block codes)."""
     t0 = time.perf_counter()
     model = model_class(cfg.architecture)(cfg, dtype)
     weights = iter_weights(cfg.path, progress)
@@ -61,7 +67,14 @@ def load_model(
     elif pack and can_pack(dtype):
         quantize_model(model, "packed", dtype)
     elif pack and panel_kernels(dtype) is not None:
-        quantize_model(model, "panel", dtype)
+        quantize_model(model, "panel", dtype, int8_activations=activation_quantization == "int8")
+    if activation_quantization and not any(
+        getattr(getattr(m, "qweight", None), "int8_activations", False) for m in model.modules()
+    ):
+        raise ValueError(
+            "--activation-quantization int8 needs GGUF Q4_1 / Q8_0 weights served in float32 on an AVX2 CPU "
+            "without AVX-512 (native panel kernels); this model and machine have none"
+        )
     n = sum(p.numel() for p in model.parameters() if p is not None)
     log.info(
         "model.loaded", arch=cfg.architecture, params=n, dtype=str(dtype), seconds=round(time.perf_counter() - t0, 2)

@@ -160,7 +160,13 @@ class ModelRunner:
                 if not embed
                 else None
             )
-            self.model = load_model(self.model_config, self.dtype, progress=rank == 0, quantization=config.quantization)
+            self.model = load_model(
+                self.model_config,
+                self.dtype,
+                progress=rank == 0,
+                quantization=config.quantization,
+                activation_quantization=config.activation_quantization,
+            )
             self.kv_caches = kv.result() if kv is not None else []
         sequence_parallel.configure(config, self.model)  # --sequence-parallel: refuses what it cannot run
         self.result_tensors: list[torch.Tensor] = []  # extra frames the last StepResult's TensorRefs name

@@ -144,18 +144,25 @@ class PanelWeight:
     - bf16 where every value is a bf16 (a bf16 checkpoint served in float32);
     - float32 otherwise.
     Products accumulate in float32 in another order than MKL's (within float32 rounding of it).
-    AXONSERVE_PANEL=0 leaves MKL in charge."""
+    AXONSERVE_PANEL=0 leaves MKL in charge.
+
+    int8_activations (`--activation-quantization int8`, opt-in): block codes are kept in
+    `dot_linear_codes`' layout and multiplied by the activations rounded to int8 per block of 32,
+    in integers (llama.cpp's Q8_1 arithmetic): not exact, ~1.5x faster (docs/benchmarks.md)."""
 
     method = "panel"
 
-    def __init__(self, w: torch.Tensor, kernels):
+    def __init__(self, w: torch.Tensor, kernels, int8_activations: bool = False):
         self.shape = tuple(w.shape)
         self.kernels = kernels
+        self.int8_activations = False
         w = w.float()
         coded = block_codes(w)
         if coded is not None:
             self.data, self.d, self.m = coded
             self.format = "q4" if self.data.dtype == torch.uint8 else "q8"
+            if int8_activations:
+                self.data, self.int8_activations = kernels.pack_dot_codes(self.data), True
         else:
             wb = w.bfloat16()
             exact = torch.equal(wb.float(), w)
@@ -166,6 +173,8 @@ class PanelWeight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self.matmul(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.shape[0])
+        if self.int8_activations:
+            return self.kernels.dot_linear_codes(x.float(), self.data, self.d, self.m).to(x.dtype)
         if self.d is not None:
             return self.kernels.panel_linear_codes(x.float(), self.data, self.d, self.m).to(x.dtype)
         return self.kernels.panel_linear(x.float(), self.data).to(x.dtype)
@@ -253,10 +262,11 @@ def can_pack(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and onednn_bf16()
 
 
-def quantize_model(model: nn.Module, method: str, act_dtype: torch.dtype) -> None:
+def quantize_model(model: nn.Module, method: str, act_dtype: torch.dtype, int8_activations: bool = False) -> None:
     """Give every module with a `quantizable` weight a `qweight` (a low-bit format; with method
-    "packed" the bf16 weight in oneDNN's layout, with "panel" float32 panels) and drop its dense weight (tied LM
-    heads keep the embedding's table for lookups and get their own packed copy)."""
+    "packed" the bf16 weight in oneDNN's layout, with "panel" float32 panels, block codes times int8
+    activations with int8_activations) and drop its dense weight (tied LM heads keep the embedding's
+    table for lookups and get their own packed copy)."""
     shared = {
         id(p) for m in model.modules() if not getattr(m, "quantizable", False) for p in m.parameters(recurse=False)
     }
@@ -269,7 +279,7 @@ def quantize_model(model: nn.Module, method: str, act_dtype: torch.dtype) -> Non
         if method == "panel":
             if panels is None or w.dim() != 2 or w.shape[0] % 16:
                 continue  # (a shard with a row count the panels do not tile stays dense)
-            m.qweight = PanelWeight(w.data, panels)
+            m.qweight = PanelWeight(w.data, panels, int8_activations)
         elif method == "packed":
             m.qweight = PackedWeight(w.data)
         else:

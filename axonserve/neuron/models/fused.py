@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from axonserve.neuron.models.llama import LlamaModel
 
 NONE = torch.empty(0)  # an absent tensor argument (the native side tests numel)
-_KINDS = {"dense": 0, "packed": 1, "int8": 2, "int4": 3, "fp8": 4, "panel": 5}
+_KINDS = {"dense": 0, "packed": 1, "int8": 2, "int4": 3, "fp8": 4, "panel": 5, "dot": 6}
 
 
 def enabled() -> bool:
@@ -103,6 +103,8 @@ def linear_spec(weight: torch.Tensor | None, bias: torch.Tensor | None, q: Any =
             return _KINDS["dense"], q.data, NONE, b, 0, 0, NONE
         return _KINDS["packed"], q.data, q.skinny if q.skinny is not None else NONE, b, q.skinny_rows, 0, NONE
     if isinstance(q, PanelWeight):  # (block codes: d in aux, m in scales)
+        if q.int8_activations:
+            return _KINDS["dot"], q.data, q.d, b, 0, 0, q.m
         return _KINDS["panel"], q.data, q.d if q.d is not None else NONE, b, 0, 0, q.m if q.m is not None else NONE
     if isinstance(q, QuantizedWeight):
         if q.skinny is not None:

@@ -1807,6 +1807,16 @@ at::Tensor panel_linear(at::Tensor x, at::Tensor wp) {
   return out;
 }
 
+// The output of x @ W^T for block codes of NP panels and K inputs, once d and m fit them.
+at::Tensor codes_out(const at::Tensor& x, int64_t NP, int64_t K, const at::Tensor& d, const at::Tensor& m) {
+  TORCH_CHECK(K % 32 == 0, "codes: K a multiple of 32");
+  for (const at::Tensor* t : {&d, &m})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 && t->size(0) == NP &&
+                    t->size(1) == K / 32 && t->size(2) == 16,
+                "d, m: float16 [N/16, K/32, 16]");
+  return panel_out(x, K, NP);
+}
+
 // x [M, K] float32 @ W^T with W as block codes: codes uint8 [N/16, K, 8] (4-bit) or int8
 // [N/16, K, 16], d and m float16 [N/16, K/32, 16] (layers/quant.py block_codes).
 at::Tensor panel_linear_codes(at::Tensor x, at::Tensor codes, at::Tensor d, at::Tensor m) {
@@ -1815,13 +1825,8 @@ at::Tensor panel_linear_codes(at::Tensor x, at::Tensor codes, at::Tensor d, at::
                   (four || codes.scalar_type() == at::kChar),
               "codes: uint8 [N/16, K, 8] or int8 [N/16, K, 16]");
   const int64_t NP = codes.size(0), K = codes.size(1);
-  TORCH_CHECK(K % 32 == 0, "codes: K a multiple of 32");
-  for (const at::Tensor* t : {&d, &m})
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 && t->size(0) == NP &&
-                    t->size(1) == K / 32 && t->size(2) == 16,
-                "d, m: float16 [N/16, K/32, 16]");
+  at::Tensor out = codes_out(x, NP, K, d, m);
   const int64_t M = x.size(0);
-  at::Tensor out = panel_out(x, K, NP);
   if (M == 0 || NP == 0) return out;
   if (K == 0) return out.zero_();
 #ifdef AXON_AVX2
@@ -1829,6 +1834,208 @@ at::Tensor panel_linear_codes(at::Tensor x, at::Tensor codes, at::Tensor d, at::
   const CodePanels src{static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<at::Half>(), m.data_ptr<at::Half>(),
                        K, four ? 4 : 8};
   panel_matmul(xc.data_ptr<float>(), M, K, src, NP, out.data_ptr<float>());
+#endif
+  return out;
+}
+
+// ------------------------------------------------------------------ integer dot products (opt-in)
+// `--quantize-activations`: block-code weights (GGUF Q4_1 / Q8_0, above) times activations rounded
+// to int8 per block of 32 inputs (d = max|x| / 127, q = round(x / d): llama.cpp's Q8_1), summed in
+// integers: per block, out += d_w d_x sum(q_w q_x) + m_w d_x sum(q_x). Not bit-exact (the
+// activations lose bits), so it is opt-in and `axonserve validate` bounds the drift. It spares the
+// widening of every code to float32 that bounds code_tile (docs/benchmarks.md): vpmaddubsw
+// multiplies 32 code / activation byte pairs in one instruction.
+// Layout ("dot"): per panel of 16 columns and quad of 4 K steps, 32 bytes. 4-bit: byte 4c + i holds
+// column c's code for K step 4t + i in its low nibble and column c + 8's in its high one; 8-bit:
+// 64 bytes, columns 0-7 (4c + i) then columns 8-15. One load feeds a column's 4 K steps.
+#ifdef AXON_AVX2
+struct DotActs {  // x [M, K] as int8 codes q, per (row, block) scale d and d * sum(q)
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+};
+
+DotActs quantize_acts(const float* x, int64_t M, int64_t K) {
+  const int64_t G = K / 32;
+  DotActs a{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
+  at::parallel_for(0, M * G, serial_grain(32 * 4, 64), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* p = x + b * 32;  // blocks are contiguous: row b / G, block b % G
+      const __m256 sign = _mm256_set1_ps(-0.f);
+      __m256 v[4], mx = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(p + 8 * i);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+      }
+      const float d = hmax8(mx) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));  // to even
+      const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+      const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+      const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      const int32_t total = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
+      // int32 -> int8 in order: packs work within 128-bit lanes, the permute puts the lanes back
+      // int32 -> int8 in order: packs interleave 128-bit lanes, each permute puts 64-bit chunks back
+      const __m256i h01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
+      const __m256i h23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
+      const __m256i w8 = _mm256_permute4x64_epi64(_mm256_packs_epi16(h01, h23), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + b * 32), w8);
+      a.d[b] = d;
+      a.s[b] = d * float(total);
+    }
+  });
+  return a;
+}
+
+// MR rows x NB panels against dot-layout codes; per block the int sums become floats once.
+template <int MR, int NB, int BITS>
+void dot_tile(const DotActs& a, const int8_t* xq, int64_t row0, const uint8_t* codes, const at::Half* dp,
+              const at::Half* mp, int64_t K, int64_t p0, float* out, int64_t os) {
+  const int64_t G = K / 32, quad_bytes = BITS * 8;  // 32 (4-bit) or 64 (8-bit) bytes per panel quad
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+  float facc[MR * NB * 16] = {};
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i acc[2 * MR * NB];
+#pragma GCC unroll 16
+    for (int i = 0; i < 2 * MR * NB; ++i) acc[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) {
+        const uint8_t* c = codes + (((p0 + j) * G + g) * 8 + t) * quad_bytes;
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+        if constexpr (BITS == 4) {  // i16 sums of 8 quads stay below 2 * 8 * 15 * 127 < 2^15
+          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#pragma GCC unroll 8
+          for (int m = 0; m < MR; ++m) {
+            int32_t xb;
+            std::memcpy(&xb, xq + m * K + g * 32 + t * 4, 4);
+            const __m256i x4 = _mm256_set1_epi32(xb);
+            acc[2 * (m * NB + j)] = _mm256_add_epi16(acc[2 * (m * NB + j)], _mm256_maddubs_epi16(lo, x4));
+            acc[2 * (m * NB + j) + 1] = _mm256_add_epi16(acc[2 * (m * NB + j) + 1], _mm256_maddubs_epi16(hi, x4));
+          }
+        } else {  // signed codes: |w| times x with w's sign; pairs to i32 every quad (i16 would overflow)
+          const __m256i v2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32));
+          const __m256i a1 = _mm256_abs_epi8(v), a2 = _mm256_abs_epi8(v2);
+#pragma GCC unroll 8
+          for (int m = 0; m < MR; ++m) {
+            int32_t xb;
+            std::memcpy(&xb, xq + m * K + g * 32 + t * 4, 4);
+            const __m256i x4 = _mm256_set1_epi32(xb);
+            const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x4, v)), ones);
+            const __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(a2, _mm256_sign_epi8(x4, v2)), ones);
+            acc[2 * (m * NB + j)] = _mm256_add_epi32(acc[2 * (m * NB + j)], p1);
+            acc[2 * (m * NB + j) + 1] = _mm256_add_epi32(acc[2 * (m * NB + j) + 1], p2);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) {
+      const int64_t at = ((p0 + j) * G + g) * 16;
+      const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp + at)));
+      const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp + at + 8)));
+      __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
+      if constexpr (BITS == 4) {
+        m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mp + at)));
+        m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mp + at + 8)));
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const int64_t b = (row0 + m) * G + g;
+        const __m256 xd = _mm256_set1_ps(a.d[b]);
+        __m256i s0 = acc[2 * (m * NB + j)], s1 = acc[2 * (m * NB + j) + 1];
+        if constexpr (BITS == 4) { s0 = _mm256_madd_epi16(s0, ones); s1 = _mm256_madd_epi16(s1, ones); }
+        float* f = facc + (m * NB + j) * 16;
+        __m256 f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d0, xd), _mm256_loadu_ps(f));
+        __m256 f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d1, xd), _mm256_loadu_ps(f + 8));
+        if constexpr (BITS == 4) {
+          const __m256 xs = _mm256_set1_ps(a.s[b]);
+          f0 = _mm256_fmadd_ps(m0, xs, f0);
+          f1 = _mm256_fmadd_ps(m1, xs, f1);
+        }
+        _mm256_storeu_ps(f, f0);
+        _mm256_storeu_ps(f + 8, f1);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) std::memcpy(out + m * os + j * 16, facc + (m * NB + j) * 16, 16 * sizeof(float));
+}
+
+template <int BITS>
+void dot_rows(int64_t r, const DotActs& a, int64_t row0, const uint8_t* codes, const at::Half* d, const at::Half* m,
+              int64_t K, int64_t p, float* out, int64_t N) {
+  const int8_t* xq = a.q.data() + row0 * K;
+  switch (r) {
+    case 1: dot_tile<1, 1, BITS>(a, xq, row0, codes, d, m, K, p, out, N); break;
+    case 2: dot_tile<2, 1, BITS>(a, xq, row0, codes, d, m, K, p, out, N); break;
+    case 3: dot_tile<3, 1, BITS>(a, xq, row0, codes, d, m, K, p, out, N); break;
+    default: dot_tile<4, 1, BITS>(a, xq, row0, codes, d, m, K, p, out, N); break;
+  }
+}
+
+// One row: 4 panels a tile (8 integer accumulators); more rows: per panel (in L1 while reused),
+// rows in near-equal groups of <= 4, in blocks of PANEL_ROW_BLOCK rows.
+template <int BITS>
+void dot_matmul(const DotActs& a, int64_t M, int64_t K, const uint8_t* codes, const at::Half* d, const at::Half* m,
+                int64_t NP, float* out) {
+  const int64_t N = NP * 16;
+  if (M == 1) {
+    constexpr int64_t nb = 4;
+    at::parallel_for(0, (NP + nb - 1) / nb, serial_grain(K * 16 * nb, 1), [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t p = c * nb;
+        if (p + nb <= NP) dot_tile<1, nb, BITS>(a, a.q.data(), 0, codes, d, m, K, p, out + p * 16, N);
+        else for (int64_t q = p; q < NP; ++q) dot_rows<BITS>(1, a, 0, codes, d, m, K, q, out + q * 16, N);
+      }
+    });
+    return;
+  }
+  for (int64_t m0 = 0; m0 < M; m0 += PANEL_ROW_BLOCK) {
+    const int64_t MB = std::min(PANEL_ROW_BLOCK, M - m0), groups = (MB + 3) / 4;
+    at::parallel_for(0, NP, serial_grain(K * 16 * MB, 1), [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        int64_t r0 = m0;
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t r = (m0 + MB - r0) / (groups - g);
+          dot_rows<BITS>(r, a, r0, codes, d, m, K, p, out + r0 * N + p * 16, N);
+          r0 += r;
+        }
+      }
+    });
+  }
+}
+#endif
+
+// Block codes from block_codes' panels ([N/16, K, 8] uint8 | [N/16, K, 16] int8) -> the dot layout
+// ([N/16, K/4, 32 | 64] uint8).
+at::Tensor pack_dot_codes(at::Tensor codes) {
+  const bool four = codes.scalar_type() == at::kByte;
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == (four ? 8 : 16) && (four || codes.scalar_type() == at::kChar) &&
+                  codes.size(1) % 32 == 0,
+              "pack_dot_codes: uint8 [N/16, K, 8] or int8 [N/16, K, 16] with K a multiple of 32");
+  const int64_t NP = codes.size(0), K = codes.size(1);
+  // [NP, K/4, 4, C] -> [NP, K/4, C, 4]: a column's 4 K steps side by side
+  at::Tensor t = codes.view({NP, K / 4, 4, codes.size(2)}).transpose(2, 3);
+  if (!four) t = t.reshape({NP, K / 4, 2, 8, 4});  // columns 0-7, then 8-15
+  return t.contiguous().view(at::kByte).reshape({NP, K / 4, four ? 32 : 64});
+}
+
+// x [M, K] float32 @ W^T with W as dot-layout codes (pack_dot_codes) and block_codes' d, m.
+at::Tensor dot_linear_codes(at::Tensor x, at::Tensor codes, at::Tensor d, at::Tensor m) {
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.scalar_type() == at::kByte &&
+                  (codes.size(2) == 32 || codes.size(2) == 64),
+              "codes: uint8 [N/16, K/4, 32 | 64] from pack_dot_codes");
+  const int64_t NP = codes.size(0), K = codes.size(1) * 4;
+  at::Tensor out = codes_out(x, NP, K, d, m);
+  const int64_t M = x.size(0);
+  if (M == 0 || NP == 0) return out;
+#ifdef AXON_AVX2
+  const at::Tensor xc = x.contiguous();
+  const DotActs a = quantize_acts(xc.data_ptr<float>(), M, K);
+  const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
+  if (codes.size(2) == 32) dot_matmul<4>(a, M, K, c, d.data_ptr<at::Half>(), m.data_ptr<at::Half>(), NP, out.data_ptr<float>());
+  else dot_matmul<8>(a, M, K, c, d.data_ptr<at::Half>(), m.data_ptr<at::Half>(), NP, out.data_ptr<float>());
 #endif
   return out;
 }
@@ -1842,11 +2049,11 @@ at::Tensor panel_linear_codes(at::Tensor x, at::Tensor codes, at::Tensor d, at::
 
 // One projection as the Python layer runs it (layers/linear.py `linear`, layers/quant.py).
 struct StackLinear {
-  enum Kind : int64_t { DENSE = 0, PACKED = 1, INT8 = 2, INT4 = 3, FP8 = 4, PANEL = 5 };
+  enum Kind : int64_t { DENSE = 0, PACKED = 1, INT8 = 2, INT4 = 3, FP8 = 4, PANEL = 5, DOT = 6 };
   int64_t kind = DENSE;
   at::Tensor w;     // dense weight | oneDNN-packed bf16 | int8 / int4 packed data | float32 x panels
   at::Tensor aux;   // PACKED: the skinny copy (bf16, or int8 with `scales`; may be empty); INT8 / INT4 / FP8: scales;
-                    // PANEL: block codes' d (with `scales` their m; empty: stored panels)
+                    // PANEL: block codes' d (with `scales` their m; empty: stored panels); DOT: likewise
   at::Tensor bias;  // may be undefined
   int64_t rows = 0;   // PACKED: the most rows the skinny copy takes
   int64_t group = 0;  // INT4: input columns per scale
@@ -1868,6 +2075,7 @@ struct StackLinear {
       case INT8: y = at::_weight_int8pack_mm(x.to(aux.scalar_type()), w, aux); break;
       case FP8: y = fp8_linear(x, w, aux); break;
       case PANEL: y = aux.defined() && aux.numel() ? panel_linear_codes(x, w, aux, scales) : panel_linear(x, w); break;
+      case DOT: y = dot_linear_codes(x, w, aux, scales); break;
       default: y = at::_weight_int4pack_mm_for_cpu(x.to(aux.scalar_type()), w, group, aux); break;
     }
     return bias.defined() ? y + bias : y;
@@ -1908,7 +2116,7 @@ struct DecoderStack {
                 group.size() == 4 && scales.size() == 4, "add_layer: four linears (qkv, o, gate_up, down)");
     StackLinear lin[4];
     for (int i = 0; i < 4; ++i) {
-      TORCH_CHECK(kinds[i] >= StackLinear::DENSE && kinds[i] <= StackLinear::PANEL, "unknown linear kind ", kinds[i]);
+      TORCH_CHECK(kinds[i] >= StackLinear::DENSE && kinds[i] <= StackLinear::DOT, "unknown linear kind ", kinds[i]);
       lin[i] = StackLinear{kinds[i], w[i], aux[i], bias[i].numel() ? bias[i] : at::Tensor(), rows[i], group[i],
                            scales[i]};
     }
@@ -2001,6 +2209,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, "bf16 / float32 [N, K] weight into panel_linear's [N/16, K, 16] panels");
   m.def("panel_linear", &panel_linear, "float32 x @ W^T with W in panels (bf16 widened in registers)");
   m.def("panel_linear_codes", &panel_linear_codes, "float32 x @ W^T with W as 4- / 8-bit block codes in panels");
+  m.def("pack_dot_codes", &pack_dot_codes, "block codes' panels into dot_linear_codes' layout");
+  m.def("dot_linear_codes", &dot_linear_codes, "x @ W^T: block codes times int8 activations (opt-in, approximate)");
   m.attr("GEMV_MAX_ROWS") = GEMV_MAX_ROWS;
   m.attr("FP8_SKINNY_ROWS") = FP8_SKINNY_ROWS;
 }
