@@ -96,11 +96,12 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=0, help="prefill chunk (default: the whole prompt)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--activation-quantization", default="", choices=["", "int8"], help="as `serve`'s flag")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     dt = DTYPES[a.dtype]
     mc = ModelConfig.from_dir(resolve_model(a.model))
-    model = load_model(mc, dt, progress=False)
+    model = load_model(mc, dt, progress=False, activation_quantization=a.activation_quantization)
     kernels = native.for_dtype(dt)
     bs = 16
     if a.prefill:

@@ -1857,7 +1857,8 @@ struct DotActs {  // x [M, K] as int8 codes q, per (row, block) scale d and d * 
 DotActs quantize_acts(const float* x, int64_t M, int64_t K) {
   const int64_t G = K / 32;
   DotActs a{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
-  at::parallel_for(0, M * G, serial_grain(32 * 4, 64), [&](int64_t b0, int64_t b1) {
+  // a block takes ~10 ns: below ~2,000 blocks (a 32-row step's inputs) waking the team costs more
+  at::parallel_for(0, M * G, serial_grain(16, 64), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const float* p = x + b * 32;  // blocks are contiguous: row b / G, block b % G
       const __m256 sign = _mm256_set1_ps(-0.f);
