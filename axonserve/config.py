@@ -328,7 +328,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":  # resolved once here: every actor gets the concrete dtype
-            self.dtype = resolve_dtype(self.model)
+            # (int8 activations multiply float32 inputs: auto means float32 with them, on any CPU)
+            self.dtype = "float32" if self.activation_quantization else resolve_dtype(self.model)
         if os.path.isdir(self.model):  # auto (or vLLM's "embedding"): from the model; a task it cannot serve: here
             from axonserve.neuron.pooling import resolve_task  # (reads config.json; no torch)
 

@@ -112,7 +112,7 @@ def test_validate_smollm2_int8_activations_within_their_bound(tmp_path):
     from axonserve.validate import ACT_TOL
 
     if panel_kernels(torch.float32) is None:
-        pytest.skip("panel kernels are built for AVX2 CPUs without AVX-512 only")
+        pytest.skip("panel kernels need AVX2 + FMA")
     args = ("--activation-quantization", "int8", "--max-tokens", "8", "--report", str(tmp_path / "r.json"))
     proc, rep = validate(*args)
     assert proc.returncode == 0, proc.stdout + proc.stderr

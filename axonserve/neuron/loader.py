@@ -72,8 +72,8 @@ def load_model(
         getattr(getattr(m, "qweight", None), "int8_activations", False) for m in model.modules()
     ):
         raise ValueError(
-            "--activation-quantization int8 needs GGUF Q4_1 / Q8_0 weights served in float32 on an AVX2 CPU "
-            "without AVX-512 (native panel kernels); this model and machine have none"
+            "--activation-quantization int8 needs GGUF Q4_1 / Q8_0 weights served in float32 (--dtype float32) on "
+            "an AVX2 + FMA CPU (native panel kernels); this model and machine have none"
         )
     n = sum(p.numel() for p in model.parameters() if p is not None)
     log.info(

@@ -23,7 +23,7 @@ from .conftest import hf_model, make_runner, make_tiny_llama, runner_logits
 from .test_panel import _bound, _gguf_like
 
 kernels = panel_kernels(torch.float32)
-pytestmark = pytest.mark.skipif(kernels is None, reason="panel kernels are built for AVX2 CPUs without AVX-512 only")
+pytestmark = pytest.mark.skipif(kernels is None, reason="panel kernels need AVX2 + FMA")
 
 
 def _int8_rows(x: torch.Tensor) -> torch.Tensor:
@@ -56,6 +56,18 @@ def test_int8_activations_match_the_integer_arithmetic(kind, m):
     assert ((got.double() - ref).abs() <= _bound(xq, w)).all()
     if m:  # the activations are rounded: the exact product differs
         assert not torch.allclose(got.double(), x.double() @ w.double().T, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_int8_activations_turn_non_finite_inputs_into_nan_rows(kind):
+    w = _gguf_like(32, 96, kind, seed=3)
+    pw = PanelWeight(w, kernels, int8_activations=True)
+    x = torch.randn(6, 96, generator=torch.Generator().manual_seed(3))
+    x[1, 5], x[2, 70], x[3, 33] = float("nan"), float("inf"), -float("inf")
+    got = pw.matmul(x)
+    assert got[1:4].isnan().all()  # not a finite guess
+    finite = [0, 4, 5]
+    assert torch.equal(got[finite], pw.matmul(x[finite]))  # the other rows as if alone
 
 
 def test_dot_codes_refuse_bad_input():
@@ -138,6 +150,8 @@ def test_a_coded_model_serves_int8_activations_near_transformers(coded_dir, monk
 
 
 def test_int8_activations_are_refused_where_they_cannot_apply(tmp_path):
+    # --dtype auto means float32 with them, also on CPUs where auto would pick bf16
+    assert EngineConfig(model="m", activation_quantization="int8").dtype == "float32"
     with pytest.raises(ValueError, match="needs --dtype float32"):
         EngineConfig(model="m", dtype="bfloat16", activation_quantization="int8")
     with pytest.raises(ValueError, match="not with --quantization"):

@@ -16,7 +16,7 @@ from axonserve.neuron.model_source import resolve_model
 from .conftest import hf_model, make_runner, make_tiny_llama, runner_logits
 
 kernels = panel_kernels(torch.float32)
-pytestmark = pytest.mark.skipif(kernels is None, reason="panel_linear is built for AVX2 CPUs without AVX-512 only")
+pytestmark = pytest.mark.skipif(kernels is None, reason="panel_linear needs AVX2 + FMA")
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -133,10 +133,10 @@ class PackedWeight:
 
 
 class PanelWeight:
-    """A weight for float32 activations on an AVX2 CPU without AVX-512, in the native
+    """A weight for float32 activations on an AVX2 + FMA CPU (AVX-512 ones too), in the native
     `panel_linear` layout ([N/16, K, 16] strips). MKL's float32 GEMM runs decode-sized products
-    far below this machine's peak (SmolLM2's 121 decode matmuls: 36 ms at 1 row, 107 ms at 32,
-    against 10-17 and 52-57 here; docs/benchmarks.md#fig-panel-gemm). The weight keeps its exact
+    far below the CPU's peak (SmolLM2's 121 decode matmuls on the AMD EPYC: 36 ms at 1 row, 107 ms
+    at 32, against 10-17 and 52-57 here; docs/benchmarks.md#fig-panel-gemm). The weight keeps its exact
     values in the fewest bytes that hold them, since a 1-row step waits for the bytes:
     - block codes (`block_codes`): a GGUF Q4_1 / Q8_0 weight dequantized to float32 by the
       converter is re-encoded to its 4- / 8-bit codes and float16 scales, bit for bit (the
@@ -162,6 +162,8 @@ class PanelWeight:
             self.data, self.d, self.m = coded
             self.format = "q4" if self.data.dtype == torch.uint8 else "q8"
             if int8_activations:
+                if self.format == "q8" and self.m.any():  # (the 8-bit dot kernel has no offset term)
+                    raise ValueError("8-bit block codes with an offset cannot multiply int8 activations")
                 self.data, self.int8_activations = kernels.pack_dot_codes(self.data), True
         else:
             wb = w.bfloat16()

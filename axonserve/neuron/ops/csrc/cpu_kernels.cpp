@@ -154,6 +154,23 @@ void by_dtype(at::ScalarType t, const char* name, F&& f) {
     TORCH_CHECK(false, name, ": float32 or bfloat16 only");
 }
 
+// The panel and dot-product kernels (float32 linears, block codes) are AVX2 code, built on every
+// AVX2 + FMA CPU, AVX-512 ones included; AXON_AVX2 marks an AVX2 CPU without AVX-512 (the
+// 8-lane attention and softmax paths).
+#if defined(__AVX2__) && defined(__FMA__)
+#define AXON_PANELS 1
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+inline float hadd8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__) && !defined(AXON_AVX512)
 #define AXON_AVX2 1
 // exp on 8 lanes: exp16's Cephes polynomial; 2^n built in the exponent field (n clamped to the
@@ -173,16 +190,6 @@ inline __m256 exp8(__m256 x) {
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i n = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), _mm256_set1_epi32(-126));
   return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23)));
-}
-inline float hmax8(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps(s, s, 1)));
-}
-inline float hadd8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 // out[i] = sum of a[i]'s 8 lanes, for 8 vectors at once (hadd tree + one cross-half add)
 inline __m256 reduce8x8(const __m256* a) {
@@ -1495,14 +1502,14 @@ at::Tensor fp8_linear(at::Tensor x, at::Tensor w, at::Tensor scales) {
 }
 
 // ------------------------------------------------------------------ panel matmul (float32, AVX2)
-// y = x @ W^T for float32 x on AVX2 CPUs without AVX-512 (layers/quant.py PanelWeight). MKL's
+// y = x @ W^T for float32 x on AVX2 CPUs, AVX-512 ones included (layers/quant.py PanelWeight). MKL's
 // float32 GEMM ran SmolLM2's decode matmuls at 7-80 GFLOP/s on the 2-core AMD EPYC (1-32 rows;
 // ~190 peak): these register-blocked tiles run them at 27 (1 row: DRAM-bound) to 167 (32 rows),
 // and prefill sizes at ~175-187 (docs/benchmarks.md#fig-panel-gemm). W [N, K] is stored once as
 // [N/16, K, 16] panels (a 16-column strip per K step, streamed in order). A bf16 checkpoint served
 // in float32 keeps its bf16 values (exact, half the bytes; widened in registers by one unpack with
 // zeros), else the panels hold float32. Products accumulate in float32 over K in order.
-#ifdef AXON_AVX2
+#ifdef AXON_PANELS
 // one K step of a panel: columns 0-7 and 8-15 as float32. bf16 panels are stored in the order
 // _mm256_unpack{lo,hi}_epi16 takes 128-bit lanes apart in (pack_panels' permutation).
 inline void panel_row(const bf16* p, __m256& lo, __m256& hi) {
@@ -1759,7 +1766,7 @@ void panel_matmul(const float* x, int64_t M, int64_t K, const Src& src, int64_t 
 #endif
 
 bool has_panel_gemm() {
-#ifdef AXON_AVX2
+#ifdef AXON_PANELS
   return true;
 #else
   return false;
@@ -1780,7 +1787,7 @@ at::Tensor pack_panels(at::Tensor w) {
 }
 
 at::Tensor panel_out(const at::Tensor& x, int64_t K, int64_t NP) {
-  TORCH_CHECK(has_panel_gemm(), "panel_linear needs AVX2 + FMA (and is built only without AVX-512)");
+  TORCH_CHECK(has_panel_gemm(), "panel_linear needs AVX2 + FMA");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "panel_linear: x float32 [M, K]");
   TORCH_CHECK(x.size(1) == K, "panel_linear: panels with K = x.size(1)");
   return at::empty({x.size(0), NP * 16}, x.options());
@@ -1795,7 +1802,7 @@ at::Tensor panel_linear(at::Tensor x, at::Tensor wp) {
   at::Tensor out = panel_out(x, K, NP);
   if (M == 0 || NP == 0) return out;
   if (K == 0) return out.zero_();
-#ifdef AXON_AVX2
+#ifdef AXON_PANELS
   const at::Tensor xc = x.contiguous();
   auto run = [&](auto* w) {
     using W = std::remove_const_t<std::remove_pointer_t<decltype(w)>>;
@@ -1829,7 +1836,7 @@ at::Tensor panel_linear_codes(at::Tensor x, at::Tensor codes, at::Tensor d, at::
   const int64_t M = x.size(0);
   if (M == 0 || NP == 0) return out;
   if (K == 0) return out.zero_();
-#ifdef AXON_AVX2
+#ifdef AXON_PANELS
   const at::Tensor xc = x.contiguous();
   const CodePanels src{static_cast<const uint8_t*>(codes.data_ptr()), d.data_ptr<at::Half>(), m.data_ptr<at::Half>(),
                        K, four ? 4 : 8};
@@ -1848,7 +1855,7 @@ at::Tensor panel_linear_codes(at::Tensor x, at::Tensor codes, at::Tensor d, at::
 // Layout ("dot"): per panel of 16 columns and quad of 4 K steps, 32 bytes. 4-bit: byte 4c + i holds
 // column c's code for K step 4t + i in its low nibble and column c + 8's in its high one; 8-bit:
 // 64 bytes, columns 0-7 (4c + i) then columns 8-15. One load feeds a column's 4 K steps.
-#ifdef AXON_AVX2
+#ifdef AXON_PANELS
 struct DotActs {  // x [M, K] as int8 codes q, per (row, block) scale d and d * sum(q)
   std::vector<int8_t> q;
   std::vector<float> d, s;
@@ -1861,11 +1868,18 @@ DotActs quantize_acts(const float* x, int64_t M, int64_t K) {
   at::parallel_for(0, M * G, serial_grain(16, 64), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const float* p = x + b * 32;  // blocks are contiguous: row b / G, block b % G
-      const __m256 sign = _mm256_set1_ps(-0.f);
-      __m256 v[4], mx = _mm256_setzero_ps();
+      const __m256 sign = _mm256_set1_ps(-0.f), inf = _mm256_set1_ps(INFINITY);
+      __m256 v[4], mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
       for (int i = 0; i < 4; ++i) {
         v[i] = _mm256_loadu_ps(p + 8 * i);
-        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+        const __m256 mag = _mm256_andnot_ps(sign, v[i]);
+        mx = _mm256_max_ps(mx, mag);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(mag, inf, _CMP_NLT_UQ));  // NaN or +-inf
+      }
+      if (_mm256_movemask_ps(bad)) {  // a NaN scale: the row's outputs come out NaN, as the exact path's would
+        std::memset(a.q.data() + b * 32, 0, 32);
+        a.d[b] = a.s[b] = NAN;
+        continue;
       }
       const float d = hmax8(mx) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
       __m256i q[4];
@@ -1874,7 +1888,6 @@ DotActs quantize_acts(const float* x, int64_t M, int64_t K) {
       const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
       const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
       const int32_t total = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
-      // int32 -> int8 in order: packs work within 128-bit lanes, the permute puts the lanes back
       // int32 -> int8 in order: packs interleave 128-bit lanes, each permute puts 64-bit chunks back
       const __m256i h01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
       const __m256i h23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
@@ -1887,10 +1900,27 @@ DotActs quantize_acts(const float* x, int64_t M, int64_t K) {
   return a;
 }
 
+// acc + per-4 sums of u8 x s8 products in int32 lanes: one VNNI instruction (vpdpbusd) where the
+// CPU has it (AVX-VNNI, AVX512-VNNI), else vpmaddubsw then vpmaddwd (its int16 pair sums cannot
+// saturate here: |w| <= 128 and |x| <= 127 or w <= 15). The same integers either way.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kVnni = true;
+inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)
+constexpr bool kVnni = true;
+inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+constexpr bool kVnni = false;
+inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#endif
+
 // MR rows x NB panels against dot-layout codes; per block the int sums become floats once.
 template <int MR, int NB, int BITS>
-void dot_tile(const DotActs& a, const int8_t* xq, int64_t row0, const uint8_t* codes, const at::Half* dp,
-              const at::Half* mp, int64_t K, int64_t p0, float* out, int64_t os) {
+void dot_tile(const DotActs& a, int64_t row0, const uint8_t* codes, const at::Half* dp, const at::Half* mp, int64_t K,
+              int64_t p0, float* out, int64_t os) {
+  const int8_t* xq = a.q.data() + row0 * K;
   const int64_t G = K / 32, quad_bytes = BITS * 8;  // 32 (4-bit) or 64 (8-bit) bytes per panel quad
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
   float facc[MR * NB * 16] = {};
@@ -1911,8 +1941,14 @@ void dot_tile(const DotActs& a, const int8_t* xq, int64_t row0, const uint8_t* c
             int32_t xb;
             std::memcpy(&xb, xq + m * K + g * 32 + t * 4, 4);
             const __m256i x4 = _mm256_set1_epi32(xb);
-            acc[2 * (m * NB + j)] = _mm256_add_epi16(acc[2 * (m * NB + j)], _mm256_maddubs_epi16(lo, x4));
-            acc[2 * (m * NB + j) + 1] = _mm256_add_epi16(acc[2 * (m * NB + j) + 1], _mm256_maddubs_epi16(hi, x4));
+            __m256i &c0 = acc[2 * (m * NB + j)], &c1 = acc[2 * (m * NB + j) + 1];
+            if constexpr (kVnni) {  // int32 sums at once
+              c0 = dot4_add(c0, lo, x4);
+              c1 = dot4_add(c1, hi, x4);
+            } else {
+              c0 = _mm256_add_epi16(c0, _mm256_maddubs_epi16(lo, x4));
+              c1 = _mm256_add_epi16(c1, _mm256_maddubs_epi16(hi, x4));
+            }
           }
         } else {  // signed codes: |w| times x with w's sign; pairs to i32 every quad (i16 would overflow)
           const __m256i v2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32));
@@ -1922,10 +1958,8 @@ void dot_tile(const DotActs& a, const int8_t* xq, int64_t row0, const uint8_t* c
             int32_t xb;
             std::memcpy(&xb, xq + m * K + g * 32 + t * 4, 4);
             const __m256i x4 = _mm256_set1_epi32(xb);
-            const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x4, v)), ones);
-            const __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(a2, _mm256_sign_epi8(x4, v2)), ones);
-            acc[2 * (m * NB + j)] = _mm256_add_epi32(acc[2 * (m * NB + j)], p1);
-            acc[2 * (m * NB + j) + 1] = _mm256_add_epi32(acc[2 * (m * NB + j) + 1], p2);
+            acc[2 * (m * NB + j)] = dot4_add(acc[2 * (m * NB + j)], a1, _mm256_sign_epi8(x4, v));
+            acc[2 * (m * NB + j) + 1] = dot4_add(acc[2 * (m * NB + j) + 1], a2, _mm256_sign_epi8(x4, v2));
           }
         }
       }
@@ -1945,7 +1979,7 @@ void dot_tile(const DotActs& a, const int8_t* xq, int64_t row0, const uint8_t* c
         const int64_t b = (row0 + m) * G + g;
         const __m256 xd = _mm256_set1_ps(a.d[b]);
         __m256i s0 = acc[2 * (m * NB + j)], s1 = acc[2 * (m * NB + j) + 1];
-        if constexpr (BITS == 4) { s0 = _mm256_madd_epi16(s0, ones); s1 = _mm256_madd_epi16(s1, ones); }
+        if constexpr (BITS == 4 && !kVnni) { s0 = _mm256_madd_epi16(s0, ones); s1 = _mm256_madd_epi16(s1, ones); }
         float* f = facc + (m * NB + j) * 16;
         __m256 f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d0, xd), _mm256_loadu_ps(f));
         __m256 f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d1, xd), _mm256_loadu_ps(f + 8));
@@ -1966,12 +2000,11 @@ void dot_tile(const DotActs& a, const int8_t* xq, int64_t row0, const uint8_t* c
 template <int BITS>
 void dot_rows(int64_t r, const DotActs& a, int64_t row0, const uint8_t* codes, const at::Half* d, const at::Half* m,
               int64_t K, int64_t p, float* out, int64_t N) {
-  const int8_t* xq = a.q.data() + row0 * K;
   switch (r) {
-    case 1: dot_tile<1, 1, BITS>(a, xq, row0, codes, d, m, K, p, out, N); break;
-    case 2: dot_tile<2, 1, BITS>(a, xq, row0, codes, d, m, K, p, out, N); break;
-    case 3: dot_tile<3, 1, BITS>(a, xq, row0, codes, d, m, K, p, out, N); break;
-    default: dot_tile<4, 1, BITS>(a, xq, row0, codes, d, m, K, p, out, N); break;
+    case 1: dot_tile<1, 1, BITS>(a, row0, codes, d, m, K, p, out, N); break;
+    case 2: dot_tile<2, 1, BITS>(a, row0, codes, d, m, K, p, out, N); break;
+    case 3: dot_tile<3, 1, BITS>(a, row0, codes, d, m, K, p, out, N); break;
+    default: dot_tile<4, 1, BITS>(a, row0, codes, d, m, K, p, out, N); break;
   }
 }
 
@@ -1986,7 +2019,7 @@ void dot_matmul(const DotActs& a, int64_t M, int64_t K, const uint8_t* codes, co
     at::parallel_for(0, (NP + nb - 1) / nb, serial_grain(K * 16 * nb, 1), [&](int64_t c0, int64_t c1) {
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t p = c * nb;
-        if (p + nb <= NP) dot_tile<1, nb, BITS>(a, a.q.data(), 0, codes, d, m, K, p, out + p * 16, N);
+        if (p + nb <= NP) dot_tile<1, nb, BITS>(a, 0, codes, d, m, K, p, out + p * 16, N);
         else for (int64_t q = p; q < NP; ++q) dot_rows<BITS>(1, a, 0, codes, d, m, K, q, out + q * 16, N);
       }
     });
@@ -2022,7 +2055,9 @@ at::Tensor pack_dot_codes(at::Tensor codes) {
   return t.contiguous().view(at::kByte).reshape({NP, K / 4, four ? 32 : 64});
 }
 
-// x [M, K] float32 @ W^T with W as dot-layout codes (pack_dot_codes) and block_codes' d, m.
+// x [M, K] float32 @ W^T with W as dot-layout codes (pack_dot_codes) and block_codes' d, m (8-bit
+// codes: m is not read; PanelWeight refuses 8-bit codes with an offset). A block of x holding a NaN
+// or an infinity makes its row's outputs NaN.
 at::Tensor dot_linear_codes(at::Tensor x, at::Tensor codes, at::Tensor d, at::Tensor m) {
   TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.scalar_type() == at::kByte &&
                   (codes.size(2) == 32 || codes.size(2) == 64),
@@ -2031,7 +2066,7 @@ at::Tensor dot_linear_codes(at::Tensor x, at::Tensor codes, at::Tensor d, at::Te
   at::Tensor out = codes_out(x, NP, K, d, m);
   const int64_t M = x.size(0);
   if (M == 0 || NP == 0) return out;
-#ifdef AXON_AVX2
+#ifdef AXON_PANELS
   const at::Tensor xc = x.contiguous();
   const DotActs a = quantize_acts(xc.data_ptr<float>(), M, K);
   const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
@@ -2206,7 +2241,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_bf16", &skinny_bf16, "x @ W^T for 1..skinny_rows rows: AMX tiles, else the dot-product loop");
   m.def("skinny_fp8", &skinny_fp8, "x @ (W * scales)^T, W float8_e4m3fn [N, K] widened in registers");
   m.def("fp8_linear", &fp8_linear, "x @ (W * scales)^T: skinny_fp8 up to FP8_SKINNY_ROWS rows, else dequantized");
-  m.def("has_panel_gemm", &has_panel_gemm, "panel_linear is compiled in (AVX2 + FMA without AVX-512)");
+  m.def("has_panel_gemm", &has_panel_gemm, "panel_linear is compiled in (AVX2 + FMA)");
   m.def("pack_panels", &pack_panels, "bf16 / float32 [N, K] weight into panel_linear's [N/16, K, 16] panels");
   m.def("panel_linear", &panel_linear, "float32 x @ W^T with W in panels (bf16 widened in registers)");
   m.def("panel_linear_codes", &panel_linear_codes, "float32 x @ W^T with W as 4- / 8-bit block codes in panels");
