@@ -48,7 +48,8 @@ def load_model(
 ) -> nn.Module:
     """quantization: "" (weights as loaded), or a weight-only method of layers/quant.py;
     pack: bf16 linear weights go into oneDNN's layout once (layers/quant.py PackedWeight), float32
-    ones into native panels on AVX2 CPUs (PanelWeight); activation_quantization "int8": block-code
+    ones into native panels on AVX2 CPUs (PanelWeight; on AVX-512 ones only with int8
+    activations: quant.panels_serve); activation_quantization "int8": block-code
     panels multiply int8 activations (an error where no weight is block codes)."""
     t0 = time.perf_counter()
     model = model_class(cfg.architecture)(cfg, dtype)
@@ -60,13 +61,13 @@ def load_model(
         weights, quantization = checkpoint_weights(weights, fp8_cfg), checkpoint_quantization(cfg.path, quantization)
     model.load_weights(weights)
     model.eval()
-    from axonserve.neuron.layers.quant import can_pack, panel_kernels, quantize_model
+    from axonserve.neuron.layers.quant import can_pack, panels_serve, quantize_model
 
     if quantization:
         quantize_model(model, quantization, dtype)
     elif pack and can_pack(dtype):
         quantize_model(model, "packed", dtype)
-    elif pack and panel_kernels(dtype) is not None:
+    elif pack and panels_serve(dtype, activation_quantization == "int8"):
         quantize_model(model, "panel", dtype, int8_activations=activation_quantization == "int8")
     if activation_quantization and not any(
         getattr(getattr(m, "qweight", None), "int8_activations", False) for m in model.modules()

@@ -10,13 +10,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from axonserve.neuron.layers.quant import PanelWeight, block_codes, panel_kernels
+from axonserve.neuron.layers.quant import PanelWeight, block_codes, panel_kernels, panels_serve
 from axonserve.neuron.model_source import resolve_model
 
 from .conftest import hf_model, make_runner, make_tiny_llama, runner_logits
 
 kernels = panel_kernels(torch.float32)
 pytestmark = pytest.mark.skipif(kernels is None, reason="panel_linear needs AVX2 + FMA")
+# where the loader serves exact float32 on panels (AVX2 CPUs; AVX-512 ones keep MKL for it)
+loader_panels = pytest.mark.skipif(
+    not panels_serve(torch.float32), reason="AVX-512 CPU: exact float32 linears stay on MKL (quant.panels_serve)"
+)
+
+
+def test_the_loader_puts_panels_where_they_pay():
+    avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    assert panels_serve(torch.float32) is not avx512
+    assert panels_serve(torch.float32, int8_activations=True)  # the int8 dot products: on any AVX2 CPU
+    assert not panels_serve(torch.bfloat16) and not panels_serve(torch.bfloat16, int8_activations=True)
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -64,6 +75,7 @@ def test_panel_weight_keeps_bf16_only_where_exact():
     torch.testing.assert_close(pf.matmul(x), x @ inexact.T, atol=1e-5, rtol=1e-5)
 
 
+@loader_panels
 def test_bf16_checkpoint_served_in_float32_matches_transformers(tmp_path):
     """The loader puts every linear of a float32 model on panels (bf16 ones for a bf16
     checkpoint) and the logits still equal transformers' float32 ones."""
@@ -127,6 +139,7 @@ def test_block_codes_refuse_what_they_cannot_rebuild():
     assert block_codes(torch.randn(32, 40)) is None  # K not a multiple of 32
 
 
+@loader_panels
 def test_default_model_layers_load_as_codes():
     """SmolLM2's GGUF is Q4_1 in its layers and Q8_0 in its (tied) embedding: served in float32,
     every linear comes back as codes, the LM head as 8-bit ones."""

@@ -241,6 +241,16 @@ def panel_kernels(dtype: torch.dtype):
     return k if k is not None and k.has_panel_gemm() else None
 
 
+def panels_serve(dtype: torch.dtype, int8_activations: bool = False) -> bool:
+    """Whether load_model gives float32 linears PanelWeights: always on AVX2 CPUs; on AVX-512 ones
+    only with int8 activations. There MKL's AVX-512 GEMM multiplies prefill-sized inputs 2-3x
+    faster than the AVX2 panels (1,024 rows; docs/benchmarks.md#fig-amx-int8-act), which the
+    panels' decode gain does not pay for; the int8 dot products keep up with it."""
+    if panel_kernels(dtype) is None:
+        return False
+    return int8_activations or torch.backends.cpu.get_cpu_capability() != "AVX512"
+
+
 def _skinny_kernels(w: torch.Tensor):
     """The native module when it can take `w` in the skinny-matmul layout, else None."""
     from axonserve.neuron.ops import native
