@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from axonserve.bench.repeat import l3_bytes
 from axonserve.neuron.config import ModelConfig
 from axonserve.neuron.loader import load_model
 from axonserve.neuron.model_source import resolve_model
@@ -44,15 +45,6 @@ LEAVES = {  # module name suffix -> op kind (timed on their own)
     "embed_tokens": "embedding",
 }
 SCOPES = {"self_attn": "rotary + KV write + attention", "mlp": "SiLU x up"}  # minus their matmuls
-
-
-def l3_bytes() -> int:
-    try:
-        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
-            s = f.read().strip()
-        return int(s[:-1]) * {"K": 1 << 10, "M": 1 << 20}[s[-1]]
-    except (OSError, KeyError, ValueError):
-        return 32 << 20
 
 
 class OpTimer:

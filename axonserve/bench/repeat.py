@@ -9,7 +9,7 @@ cache lines; it is printed beside the figures it explains.
 
 from __future__ import annotations
 
-import os
+import glob
 import statistics
 from collections import defaultdict
 from typing import Any
@@ -24,15 +24,10 @@ FIGURES = (
 
 def l3_bytes() -> int:
     """The last-level cache size from sysfs (32 MiB when it cannot be read)."""
-    base = "/sys/devices/system/cpu/cpu0/cache"
     best = 0
-    try:
-        entries = [e for e in os.listdir(base) if e.startswith("index")]  # (beside them: a `uevent` file)
-    except OSError:
-        entries = []
-    for idx in entries:
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):  # (beside them: a `uevent` file)
         try:
-            with open(os.path.join(base, idx, "size")) as f:
+            with open(path) as f:
                 s = f.read().strip()
             mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(s[-1:], 1)
             best = max(best, int(s.rstrip("KMG")) * mult)
