@@ -30,7 +30,7 @@ from axonserve.neuron.config import ModelConfig
 from axonserve.neuron.loader import load_model
 from axonserve.neuron.model_source import resolve_model
 from axonserve.neuron.ops import native
-from axonserve.neuron.ops.attention import AttentionMetadata
+from axonserve.neuron.ops.attention import AttentionMetadata, takes_chunks
 from axonserve.neuron.sampler import greedy_ids
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -108,7 +108,8 @@ def main() -> None:
     shape = (seqs * per_seq, bs, mc.num_kv_heads, mc.head_dim)
     caches = [(torch.randn(shape).to(dt), torch.randn(shape).to(dt)) for _ in range(mc.num_layers)]
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(seqs)]
-    metas = [AttentionMetadata.build(q, c, tables, bs, native=kernels) for q, c in calls]
+    chunks = takes_chunks(kernels, dt, dt, mc.head_dim, mc.sliding_window is not None)  # as the runner decides
+    metas = [AttentionMetadata.build(q, c, tables, bs, native=kernels, native_chunks=chunks) for q, c in calls]
     ids = torch.randint(0, mc.vocab_size, (sum(metas[0].positions.shape),))
     flush = torch.zeros(4 * l3_bytes(), dtype=torch.uint8)
 

@@ -36,7 +36,7 @@ from axonserve.neuron.layers.fp8 import kv_code_dtype
 from axonserve.neuron.loader import load_model
 from axonserve.neuron.models.bert import EncoderBatch
 from axonserve.neuron.ops import native
-from axonserve.neuron.ops.attention import AttentionMetadata, DecodeRun, build_static, move_slots
+from axonserve.neuron.ops.attention import AttentionMetadata, DecodeRun, build_static, move_slots, takes_chunks
 from axonserve.neuron.parallel import (
     CollectiveError,
     TPInfo,
@@ -172,6 +172,13 @@ class ModelRunner:
         self.result_tensors: list[torch.Tensor] = []  # extra frames the last StepResult's TensorRefs name
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self.native = native.for_dtype(self.dtype)  # fused C++ kernels (None: the torch path)
+        self.native_chunks = bool(self.kv_caches) and takes_chunks(
+            self.native,
+            self.dtype,
+            self.kv_caches[0][0].dtype,
+            self.model_config.head_dim,
+            self.model_config.sliding_window is not None,
+        )
         self.lora = None  # --enable-lora: adapter slots on the model's layers (axonserve/lora)
         if config.enable_lora:
             from axonserve.lora.manager import LoraManager
@@ -209,6 +216,7 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             buckets=self.buckets.as_dict() if self.buckets else None,
             native_kernels=self.native is not None,
+            amx_prefill_attention=self.native_chunks,
         )
 
     def image_info(self) -> dict[str, int]:
@@ -470,6 +478,7 @@ class ModelRunner:
             self.block_size,
             native=self.native,
             trees=trees,
+            native_chunks=self.native_chunks,
         )
         if self.lora is not None:  # the step's rows mapped to their adapters' slots
             self.lora.map_rows(flat)

@@ -70,7 +70,9 @@ def runner_logits(runner, ids: list[int], chunks: list[int]) -> torch.Tensor:
     blocks = list(range(-(-len(ids) // runner.block_size)))[::-1]  # reversed: non-contiguous slots
     with torch.inference_mode():
         for n in chunks:
-            meta = AttentionMetadata.build([n], [c], [blocks], runner.block_size, native=runner.native)
+            meta = AttentionMetadata.build(
+                [n], [c], [blocks], runner.block_size, native=runner.native, native_chunks=runner.native_chunks
+            )
             h = runner.model(torch.tensor(ids[c : c + n]), meta.positions, runner.kv_caches, meta)
             out.append(runner.model.compute_logits(h))
             c += n

@@ -104,6 +104,23 @@ def test_bfloat16_close_to_transformers_bfloat16(tiny_llama_dir, kernels_path):
     )  # a few bf16 ulps: fused matmuls round differently
 
 
+def test_bfloat16_prefill_on_amx_tiles_close_to_transformers(tmp_path):
+    """head_dim 64: a bf16 model's prefill chunks (first and after a context) run on AMX tiles
+    (runner.native_chunks), as close to transformers' bf16 as the SDPA path gets."""
+    from transformers import AutoModelForCausalLM
+
+    if native.kernels() is None or not native.kernels().amx_attention(64):
+        pytest.skip("no AMX tiles on this CPU")
+    d = make_tiny_llama(str(tmp_path), hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=64)
+    ids = torch.randint(0, 1024, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)(torch.tensor([ids])).logits[0]
+    runner = make_runner(d, dtype="bfloat16")
+    assert runner.native_chunks
+    got = runner_logits(runner, ids, [150, 2, 148])
+    torch.testing.assert_close(got.float(), ref.float(), atol=0.1, rtol=0.05)
+
+
 def test_multi_step_plans_decode_like_transformers(tiny_llama_dir, kernels_path):
     """Multi-step plans (the runner feeds each forward's sample to the next) generate transformers'
     greedy tokens on both attention paths, across block boundaries (4-token blocks), with runs of

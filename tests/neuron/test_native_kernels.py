@@ -123,6 +123,41 @@ def test_paged_attention_mixed_batch(dtype, head_dim, long, far, group, monkeypa
         torch.testing.assert_close(got, paged_attention(q, k, v, k_cache, v_cache, all_native, scale), **tol)
 
 
+@pytest.mark.skipif(not (K is not None and K.amx_attention(64)), reason="no AMX tiles on this CPU")
+@pytest.mark.parametrize("head_dim", [64, 32])
+@pytest.mark.parametrize("bs", [16, 4])
+@pytest.mark.parametrize("peaky", [False, True])
+def test_amx_prefill_chunks_against_float32(head_dim, bs, peaky):
+    """bf16 prefill chunks on AMX tiles (csrc/amx_attention.h): chunks of 16+ rows, first or after a
+    context, with lengths off the 16-row tile and past the 256-key softmax chunk, amid decodes and a
+    short chunk (per-row kernel), all in one call; against float32 attention over the same bf16
+    inputs, as close as torch's bf16 SDPA gets. peaky: large scores, so rows' maxima grow from one
+    key chunk to the next (the running rescale)."""
+    assert K.amx_attention(head_dim) and not K.amx_attention(128)
+    g = _gen(7)
+    blocks, hkv, hq = 1024, 2, 6
+    k_cache = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(torch.bfloat16)
+    seqs = [(1, 40), (1, 700), (16, 0), (5, 9), (17, 3), (100, 0), (300, 500), (33, 257)]
+    tables = random_block_tables(seqs, bs, blocks, g)
+    args = ([q for q, _ in seqs], [c for _, c in seqs], tables, bs)
+    t = sum(q for q, _ in seqs)
+    q, k, v = (torch.randn(t, h, head_dim, generator=g).to(torch.bfloat16) for h in (hq, hkv, hkv))
+    if peaky:
+        q = (q.float() * 8).to(torch.bfloat16)
+    scale = head_dim**-0.5
+    meta = AttentionMetadata.build(*args, native=K, native_chunks=True)
+    assert meta.native_rows == t and not meta.prefills  # every chunk on the kernel
+    got = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, scale)
+    ref = paged_attention(
+        q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), AttentionMetadata.build(*args), scale
+    )
+    sdpa = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), AttentionMetadata.build(*args), scale)
+    err, sdpa_err = (got.float() - ref).abs().max().item(), (sdpa.float() - ref).abs().max().item()
+    assert err <= 1.5 * sdpa_err + 1e-3, (err, sdpa_err)
+    torch.testing.assert_close(got.float(), ref, atol=1.6e-2, rtol=1.6e-2)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 24])  # vector path, scalar path
 def test_rotary_write_into_an_int8_cache_quantizes_like_torch(dtype, head_dim):

@@ -110,6 +110,7 @@ class AttentionMetadata:
         native: ModuleType | None = None,
         trees: dict[int, list[int]] | None = None,
         window: int | None = None,
+        native_chunks: bool = False,
     ) -> "AttentionMetadata":
         """Sequences must come decodes (query_len == 1) first, then prefills, in flat-batch order.
         native: the kernels module, when the model's dtype has native kernels.
@@ -117,14 +118,16 @@ class AttentionMetadata:
         draft tree: query row 0 is the last known token, row 1 + j draft j). Its rows occupy
         consecutive slots but sit at position context + depth and attend to the context plus their
         ancestors.
-        window: a sliding window (ops/window.py); layers get it through `for_window`."""
+        window: a sliding window (ops/window.py); layers get it through `for_window`.
+        native_chunks: the native kernel takes prefill chunks of any length too (`takes_chunks`),
+        so none goes to SDPA."""
         if native is not None and not trees and window is None and query_lens and max(query_lens) == 1:
             meta = cls._native_decodes(context_lens, block_tables, block_size, native)
         else:
-            meta = cls._build(query_lens, context_lens, block_tables, block_size, native, trees, window)
+            meta = cls._build(query_lens, context_lens, block_tables, block_size, native, trees, window, native_chunks)
         if window is None:
             args = (query_lens, context_lens, block_tables, block_size, native, trees)
-            meta.rebuild = functools.partial(cls.build, *args)
+            meta.rebuild = functools.partial(cls.build, *args, native_chunks=native_chunks)
         return meta
 
     @classmethod
@@ -157,6 +160,7 @@ class AttentionMetadata:
         native: ModuleType | None,
         trees: dict[int, list[int]] | None,
         window: int | None,
+        native_chunks: bool = False,
     ) -> "AttentionMetadata":
         n = len(query_lens)
         q = np.asarray(query_lens, dtype=np.int64)
@@ -180,8 +184,9 @@ class AttentionMetadata:
             # decodes, verifications and short chunks read their keys from the cache in place, one
             # kernel call per layer; chunks of NATIVE_MAX_QUERY+ tokens go to torch's flash SDPA,
             # whose blocked matmuls win once a chunk's queries x keys grow (the kernel's cost is
-            # per query row: docs/benchmarks.md#fig-attention)
-            long = np.nonzero(q >= NATIVE_MAX_QUERY)[0]
+            # per query row: docs/benchmarks.md#fig-attention), unless the kernel runs chunks on
+            # AMX tiles itself (native_chunks)
+            long = np.nonzero(q >= NATIVE_MAX_QUERY)[0] if not native_chunks else np.zeros(0, np.int64)
             rows = np.arange(len(positions))
             if len(long):
                 keep = np.ones(len(positions), dtype=bool)
@@ -306,6 +311,22 @@ class DecodeRun:
 
 
 NATIVE_MAX_QUERY = 128  # with native kernels, chunks this long or longer take the SDPA path
+
+
+def takes_chunks(
+    native: ModuleType | None, dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, windowed: bool
+) -> bool:
+    """Whether the native kernel runs prefill chunks of any length (AttentionMetadata.build's
+    native_chunks): on AMX tiles (csrc/amx_attention.h), for bf16 models with a bf16 cache, head_dim
+    32 or 64 and no sliding-window layer (the tile path has no window; those keep SDPA)."""
+    return (
+        native is not None
+        and dtype == torch.bfloat16
+        and cache_dtype == torch.bfloat16
+        and not windowed
+        and hasattr(native, "amx_attention")
+        and bool(native.amx_attention(head_dim))
+    )
 
 
 def build_static(

@@ -36,7 +36,14 @@ def _cpu_flags() -> str:
 
 def build_dir() -> Path:
     h = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode(), " ".join(_FLAGS).encode()):
+    headers = sorted(_SOURCE.parent.glob("*.h"))  # included by the one source file
+    for part in (
+        _SOURCE.read_bytes(),
+        *(p.read_bytes() for p in headers),
+        torch.__version__.encode(),
+        _cpu_flags().encode(),
+        " ".join(_FLAGS).encode(),
+    ):
         h.update(part)
     root = Path(os.environ.get("AXONSERVE_CACHE_DIR") or Path.home() / ".cache" / "axonserve")
     return root / "native" / h.hexdigest()[:16]

@@ -26,6 +26,10 @@
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
+#if defined(AXON_AVX512) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
+    defined(__linux__)
+#define AXON_AMX 1
+#endif
 
 namespace {
 
@@ -516,6 +520,13 @@ void attend_item_scalar(const AttnArgs& a, const T* qp, T* op, const C* kc, cons
   }
 }
 
+#ifdef AXON_AMX
+constexpr int64_t AMX_ATTN_MIN_RUN = 16;  // chunks shorter than this stay on the per-row kernel
+bool amx_permitted();
+template <int ND32>
+std::vector<int64_t> amx_attend_runs(const AttnArgs& a, const bf16* qp, bf16* op, const bf16* kc, const bf16* vc);
+#endif
+
 template <typename T, typename C>
 void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& block_table, const at::Tensor& row_seq, const at::Tensor& row_kv_len,
@@ -547,18 +558,32 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   else if (a.D == 32) item_fn = win ? &attend_item_avx2<T, C, 4, true> : &attend_item_avx2<T, C, 4, false>;
   else if (a.D == 256) item_fn = win ? &attend_item_avx2<T, C, 32, true> : &attend_item_avx2<T, C, 32, false>;
 #endif
-  const int64_t n = a.R * a.Hkv;
+  // prefill chunks of bf16 models: AMX tiles (amx_attention.h); the rows left come here
+  std::vector<int64_t> rows;
+  bool some_rows = false;
+#ifdef AXON_AMX
+  if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16>)
+    if (!win && a.E == 0 && (a.D == 64 || a.D == 32) && a.R >= AMX_ATTN_MIN_RUN && amx_permitted()) {
+      rows = a.D == 64 ? amx_attend_runs<2>(a, qp, op, kc, vc) : amx_attend_runs<1>(a, qp, op, kc, vc);
+      some_rows = true;
+    }
+#endif
+  const int64_t nrows = some_rows ? int64_t(rows.size()) : a.R;
+  auto row_of = [&](int64_t i) { return some_rows ? rows[i] : i; };
+  const int64_t n = nrows * a.Hkv;
   auto run = [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<int64_t> off;
-    for (int64_t item = begin; item < end; ++item) item_fn(a, qp, op, kc, vc, item / a.Hkv, item % a.Hkv, scores, off);
+    for (int64_t item = begin; item < end; ++item)
+      item_fn(a, qp, op, kc, vc, row_of(item / a.Hkv), item % a.Hkv, scores, off);
   };
+  if (n == 0) return;
   // Each thread takes a contiguous run of items holding an equal share of the keys (+1 per item
   // for its fixed cost): the rows' contexts differ, and a split by item count leaves one thread
   // streaming while the other waits at the barrier. A small call (one short decode) stays here.
   std::vector<int64_t> cum(n + 1, 0);
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t kv = a.kvl[i / a.Hkv];
+    const int64_t kv = a.kvl[row_of(i / a.Hkv)];
     cum[i + 1] = cum[i] + (a.win > 0 ? std::min(kv, a.win) : kv) + 1;
   }
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
@@ -1092,9 +1117,7 @@ bool has_bf16_gemv() {
 // oneDNN's blocking wins and keeps them.
 constexpr int64_t AMX_MAX_ROWS = 64, AMX_PASS_ROWS = 32;
 
-#if defined(AXON_AVX512) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
-    defined(__linux__)
-#define AXON_AMX 1
+#ifdef AXON_AMX
 struct TileConfig {  // ldtilecfg's 64-byte layout (palette 1)
   uint8_t palette = 1, start_row = 0;
   uint8_t reserved[14] = {};
@@ -1298,6 +1321,20 @@ void amx_matmul(const at::Tensor& x, const W* w, const float* scales, int64_t NB
 }
 
 #endif
+
+#ifdef AXON_AMX
+#include "amx_attention.h"
+#endif
+
+// Whether paged_attention runs prefill chunks on AMX tiles (bf16, head_dim 32 or 64: amx_attention.h).
+bool amx_attention(int64_t head_dim) {
+#ifdef AXON_AMX
+  return (head_dim == 32 || head_dim == 64) && amx_permitted();
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
 
 bool amx_fits(const at::Tensor& wp) {
 #ifdef AXON_AMX
@@ -2223,6 +2260,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("block_table"), pybind11::arg("row_seq"), pybind11::arg("row_kv_len"), pybind11::arg("scale"),
         pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none(),
         pybind11::arg("row_extra") = pybind11::none(), pybind11::arg("window") = 0);
+  m.def("amx_attention", &amx_attention, "paged_attention takes bf16 prefill chunks on AMX tiles at this head_dim");
   m.def("rotary_kv_write", &rotary_kv_write, "rotary on Q/K heads in place + K/V cache write (int8: quantized)",
         pybind11::arg("qkv"), pybind11::arg("hq"), pybind11::arg("hkv"), pybind11::arg("cos"), pybind11::arg("sin"),
         pybind11::arg("positions"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slots"),

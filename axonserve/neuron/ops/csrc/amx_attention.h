@@ -1,0 +1,277 @@
+// AMX attention for prefill chunks (included by cpu_kernels.cpp after its AMX section).
+//
+// The per-row kernel (attend_item_vec) reads every key once per query row: right for decodes,
+// but a chunk of n prompt tokens reads its keys n times over, at float32 FMA speed. Here a chunk
+// ("run": consecutive rows of one sequence at consecutive positions) is cut into tiles of 16 query
+// rows of one head, and each tile runs flash attention on the tile unit: S = Q K^T and O += P V
+// are tile multiplies (bf16 in, float32 accumulation), the softmax is exact per KV_CHUNK keys with
+// the running max / sum rescaling O between chunks (online softmax). K and V are packed once per
+// (run, KV head) into the B-operand layout (K^T and V as bf16 pairs), shared by every query tile
+// and every query head of the group. P is rounded to bf16 for the P V product, as torch's flash
+// SDPA does for bf16 inputs; scores, max, sums and O stay float32.
+//
+// Tiles, per chunk: S = Q K^T with Q in tiles 6 (dims 0..31) and 7 (dims 32..63) and up to 4 key
+// blocks' accumulators in tiles 0..3; then O += P V with O (16 rows x 16 dims per tile) in tiles
+// 0..D/16-1, kept in a float32 buffer between chunks (where a row's rescale happens).
+
+constexpr int64_t KV_CHUNK = 256;  // keys per softmax chunk (multiple of 32)
+
+struct AttnRun {
+  int64_t row0, n;  // rows row0 .. row0 + n - 1; row row0 + i attends to kvl[row0] + i keys
+};
+
+// 2^x for x <= 0 (below -126: ~0): degree-5 polynomial on [-0.5, 0.5] (relative error < 3e-6;
+// P is rounded to bf16 right after, 2^-9)
+inline __m512 exp2_neg(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// K of one (run, KV head) as S's B tiles: block b of 16 keys, dim half c -> 16 rows (dim pairs) x
+// 16 keys of bf16 pairs, at kt + (b * ND32 + c) * 512. V as P V's B tiles: block b of 32 keys, dim
+// block db -> 16 rows (key pairs) x 16 dims of bf16 pairs, at vp + (b * D/16 + db) * 512. Keys
+// past L are zeros (their probabilities are exactly 0; a zero V keeps 0 x V finite).
+template <int ND32>
+void pack_kv(const bf16* kc, const bf16* vc, const int64_t* off, int64_t L, uint16_t* kt, uint16_t* vp) {
+  constexpr int D = 32 * ND32, NDB = D / 16;
+  const int64_t nb16 = (L + 15) / 16, nb32 = (L + 31) / 32;
+  uint32_t* kt32 = reinterpret_cast<uint32_t*>(kt);
+  for (int64_t b = 0; b < nb16; ++b)
+    for (int n = 0; n < 16; ++n) {
+      const int64_t t = b * 16 + n;
+      const uint32_t* src = t < L ? reinterpret_cast<const uint32_t*>(kc + off[t]) : nullptr;
+      for (int c = 0; c < ND32; ++c)
+        for (int kp = 0; kp < 16; ++kp) kt32[(b * ND32 + c) * 256 + kp * 16 + n] = src ? src[c * 16 + kp] : 0u;
+    }
+  // two key rows -> their dims interleaved: lanes (2n, 2n+1) of a tile row = dim 16 db + n of keys 2kp, 2kp+1
+  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo = _mm512_load_si512(lo_idx), step = _mm512_set1_epi16(16);
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t b = 0; b < nb32; ++b)
+    for (int kp = 0; kp < 16; ++kp) {
+      const int64_t t0 = b * 32 + 2 * kp, t1 = t0 + 1;
+      for (int h = 0; h < ND32; ++h) {  // 32 dims at a time
+        const __m512i x0 = t0 < L ? _mm512_loadu_si512(vc + off[t0] + 32 * h) : zero;
+        const __m512i x1 = t1 < L ? _mm512_loadu_si512(vc + off[t1] + 32 * h) : zero;
+        for (int half = 0; half < 2; ++half) {
+          const int db = 2 * h + half;
+          const __m512i idx = half ? _mm512_add_epi16(lo, step) : lo;
+          _mm512_storeu_si512(vp + ((b * NDB + db) * 16 + kp) * 32, _mm512_permutex2var_epi16(x0, idx, x1));
+        }
+      }
+    }
+}
+
+// S for up to 4 blocks of 16 keys: one accumulator each (tiles 0..3: independent chains; a single
+// accumulator would wait out each multiply's latency), B operands alternating in tiles 4 and 5.
+template <int ND32>
+inline void s_blocks(const uint16_t* kb, int64_t nb, float* S) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+#define AXON_S_BLOCK(T)                          \
+  if (T < nb) {                                  \
+    _tile_loadd(4, kb + T * ND32 * 512, 64);     \
+    _tile_dpbf16ps(T, 6, 4);                     \
+    if (ND32 == 2) {                             \
+      _tile_loadd(5, kb + T * ND32 * 512 + 512, 64); \
+      _tile_dpbf16ps(T, 7, 5);                   \
+    }                                            \
+  }
+  AXON_S_BLOCK(0) AXON_S_BLOCK(1) AXON_S_BLOCK(2) AXON_S_BLOCK(3)
+#undef AXON_S_BLOCK
+  _tile_stored(0, S, KV_CHUNK * 4);
+  if (nb > 1) _tile_stored(1, S + 16, KV_CHUNK * 4);
+  if (nb > 2) _tile_stored(2, S + 32, KV_CHUNK * 4);
+  if (nb > 3) _tile_stored(3, S + 48, KV_CHUNK * 4);
+}
+
+// O (tiles 0..3, loaded from and stored back to obuf [16 x D] float32) += P V over np blocks of 32
+// keys; P in tiles 6 / 7 alternately, V in 4 / 5.
+template <int NDB>
+inline void pv_blocks(const bf16* P, const uint16_t* vb, int64_t np, float* obuf) {
+  constexpr int64_t OS = NDB * 64;  // obuf row stride, bytes
+  _tile_loadd(0, obuf, OS);
+  _tile_loadd(1, obuf + 16, OS);
+  if (NDB > 2) {
+    _tile_loadd(2, obuf + 32, OS);
+    _tile_loadd(3, obuf + 48, OS);
+  }
+  for (int64_t b = 0; b < np; ++b, vb += NDB * 512) {
+    if (b & 1) {
+      _tile_loadd(7, P + b * 32, KV_CHUNK * 2);
+      _tile_loadd(4, vb, 64);
+      _tile_dpbf16ps(0, 7, 4);
+      _tile_loadd(5, vb + 512, 64);
+      _tile_dpbf16ps(1, 7, 5);
+      if (NDB > 2) {
+        _tile_loadd(4, vb + 1024, 64);
+        _tile_dpbf16ps(2, 7, 4);
+        _tile_loadd(5, vb + 1536, 64);
+        _tile_dpbf16ps(3, 7, 5);
+      }
+    } else {
+      _tile_loadd(6, P + b * 32, KV_CHUNK * 2);
+      _tile_loadd(4, vb, 64);
+      _tile_dpbf16ps(0, 6, 4);
+      _tile_loadd(5, vb + 512, 64);
+      _tile_dpbf16ps(1, 6, 5);
+      if (NDB > 2) {
+        _tile_loadd(4, vb + 1024, 64);
+        _tile_dpbf16ps(2, 6, 4);
+        _tile_loadd(5, vb + 1536, 64);
+        _tile_dpbf16ps(3, 6, 5);
+      }
+    }
+  }
+  _tile_stored(0, obuf, OS);
+  _tile_stored(1, obuf + 16, OS);
+  if (NDB > 2) {
+    _tile_stored(2, obuf + 32, OS);
+    _tile_stored(3, obuf + 48, OS);
+  }
+}
+
+// One tile: query rows row0 .. row0 + nq - 1 (nq <= 16) of query head h, whose last attends to Lt keys.
+template <int ND32>
+void amx_attend_tile(const AttnArgs& a, const bf16* qp, bf16* op, const uint16_t* kt, const uint16_t* vp,
+                     int64_t row0, int64_t nq, int64_t h, float* S, bf16* P, float* obuf, bf16* qbuf) {
+  constexpr int D = 32 * ND32, NDB = D / 16;
+  const float c = a.scale * 1.44269504088896341f;  // scores in base-2 units
+  static const int EXP = getenv("AXON_EXP") ? atoi(getenv("AXON_EXP")) : 0;
+  int64_t kvl[16];
+  for (int j = 0; j < 16; ++j) kvl[j] = a.kvl[row0 + std::min<int64_t>(j, nq - 1)];
+  const int64_t Lt = kvl[15];
+  for (int j = 0; j < 16; ++j) {
+    const bf16* src = qp + (row0 + j) * a.q_rs + h * a.q_hs;
+    for (int d = 0; d < D; d += 32)
+      _mm512_storeu_si512(qbuf + j * D + d, j < nq ? _mm512_loadu_si512(src + d) : _mm512_setzero_si512());
+  }
+  std::memset(obuf, 0, 16 * D * sizeof(float));
+  float m[16], l[16];
+  for (int j = 0; j < 16; ++j) { m[j] = -INFINITY; l[j] = 0.f; }
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  for (int64_t k0 = 0; k0 < Lt; k0 += KV_CHUNK) {
+    const int64_t nk = std::min(KV_CHUNK, Lt - k0), nb = (nk + 15) / 16, np = (nk + 31) / 32;
+    _tile_loadd(6, qbuf, D * 2);
+    if (ND32 == 2) _tile_loadd(7, qbuf + 32, D * 2);
+    for (int64_t b = 0; b < nb && EXP != 2; b += 4)  // S = Q K^T
+      s_blocks<ND32>(kt + (k0 / 16 + b) * ND32 * 512, std::min<int64_t>(4, nb - b), S + b * 16);
+    for (int j = 0; j < 16 && EXP != 1; ++j) {  // the softmax over this chunk, row by row (lanes = keys)
+      const float* s = S + j * KV_CHUNK;
+      bf16* p = P + j * KV_CHUNK;
+      const int64_t valid = std::max<int64_t>(0, std::min(nk, kvl[j] - k0));
+      __m512 vmax = ninf;
+      for (int64_t z = 0; z < valid; z += 16) {
+        const __mmask16 mk = valid - z >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (valid - z)) - 1);
+        vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(ninf, mk, s + z));
+      }
+      const float mnew = std::max(m[j], _mm512_reduce_max_ps(vmax) * c);
+      const float alpha = m[j] == -INFINITY ? 0.f : std::exp2(m[j] - mnew);
+      if (alpha != 1.f && k0 > 0)  // this row's max grew: rescale its output so far
+        for (int d = 0; d < D; d += 16)
+          _mm512_storeu_ps(obuf + j * D + d, _mm512_mul_ps(_mm512_loadu_ps(obuf + j * D + d), _mm512_set1_ps(alpha)));
+      const __m512 mm = _mm512_set1_ps(-mnew), cc = _mm512_set1_ps(c);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t z = 0; z < np * 32; z += 32) {
+        const int64_t v0 = valid - z, v1 = valid - z - 16;
+        const __mmask16 k0m = v0 >= 16 ? __mmask16(0xFFFF) : v0 <= 0 ? __mmask16(0) : __mmask16((1u << v0) - 1);
+        const __mmask16 k1m = v1 >= 16 ? __mmask16(0xFFFF) : v1 <= 0 ? __mmask16(0) : __mmask16((1u << v1) - 1);
+        const __m512 p0 = _mm512_maskz_mov_ps(k0m, exp2_neg(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(k0m, s + z), cc, mm)));
+        const __m512 p1 =
+            _mm512_maskz_mov_ps(k1m, exp2_neg(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(k1m, s + z + 16), cc, mm)));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+        _mm512_storeu_si512(p + z, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+      }
+      l[j] = l[j] * alpha + _mm512_reduce_add_ps(sum);
+      m[j] = mnew;
+    }
+    if (EXP != 2) pv_blocks<NDB>(P, vp + (k0 / 32) * NDB * 512, np, obuf);  // O += P V
+  }
+  for (int64_t j = 0; j < nq; ++j) {
+    const __m512 inv = _mm512_set1_ps(1.f / l[j]);
+    bf16* o = op + (row0 + j) * a.o_rs + h * a.o_hs;
+    for (int d = 0; d < D; d += 16) store16(o + d, _mm512_mul_ps(_mm512_loadu_ps(obuf + j * D + d), inv));
+  }
+}
+
+// Takes the runs of AMX_ATTN_MIN_RUN+ rows (bf16 q and cache, head_dim 32 or 64, no window, no
+// extra keys: the caller checks) and returns the rows left for the per-row kernel, in order.
+template <int ND32>
+std::vector<int64_t> amx_attend_runs(const AttnArgs& a, const bf16* qp, bf16* op, const bf16* kc, const bf16* vc) {
+  constexpr int D = 32 * ND32;
+  std::vector<AttnRun> runs;
+  std::vector<int64_t> rest;
+  for (int64_t r = 0; r < a.R;) {
+    int64_t e = r + 1;
+    while (e < a.R && a.seq[e] == a.seq[r] && a.kvl[e] == a.kvl[e - 1] + 1) ++e;
+    if (e - r >= AMX_ATTN_MIN_RUN) runs.push_back({r, e - r});
+    else
+      for (int64_t i = r; i < e; ++i) rest.push_back(i);
+    r = e;
+  }
+  if (runs.empty()) return rest;
+  // packed K / V per (run, KV head)
+  const int64_t nr = runs.size();
+  std::vector<int64_t> base(nr * a.Hkv + 1, 0);
+  for (int64_t i = 0; i < nr; ++i) {
+    const int64_t L = a.kvl[runs[i].row0 + runs[i].n - 1];
+    const int64_t per = ((L + 15) / 16) * ND32 * 512 + ((L + 31) / 32) * (D / 16) * 512;
+    for (int64_t h = 0; h < a.Hkv; ++h) base[i * a.Hkv + h + 1] = base[i * a.Hkv + h] + per;
+  }
+  std::vector<uint16_t> packed(base.back());
+  auto kt_of = [&](int64_t i, int64_t h) { return packed.data() + base[i * a.Hkv + h]; };
+  auto vp_of = [&](int64_t i, int64_t h) {
+    const int64_t L = a.kvl[runs[i].row0 + runs[i].n - 1];
+    return kt_of(i, h) + ((L + 15) / 16) * ND32 * 512;
+  };
+  at::parallel_for(0, nr * a.Hkv, 1, [&](int64_t b, int64_t e) {
+    std::vector<int64_t> off;
+    for (int64_t it = b; it < e; ++it) {
+      const int64_t i = it / a.Hkv, h = it % a.Hkv;
+      const int64_t L = key_offsets<false>(a, runs[i].row0 + runs[i].n - 1, h, off);
+      pack_kv<ND32>(kc, vc, off.data(), L, kt_of(i, h), vp_of(i, h));
+    }
+  });
+  // items (run, query head, tile of 16 rows), split between threads by their keys
+  struct Item { int64_t run, h, row0, nq; };
+  std::vector<Item> items;
+  std::vector<int64_t> cum{0};
+  for (int64_t i = 0; i < nr; ++i)
+    for (int64_t h = 0; h < a.Hq; ++h)
+      for (int64_t t = 0; t < runs[i].n; t += 16) {
+        const int64_t nq = std::min<int64_t>(16, runs[i].n - t), row0 = runs[i].row0 + t;
+        items.push_back({i, h, row0, nq});
+        cum.push_back(cum.back() + a.kvl[row0 + nq - 1] + 16);
+      }
+  const int64_t n = items.size(), threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    TileConfig cfg;
+    for (int i = 0; i < 8; ++i) { cfg.rows[i] = 16; cfg.colsb[i] = 64; }
+    _tile_loadconfig(&cfg);
+    std::vector<float> S(16 * KV_CHUNK), obuf(16 * D);
+    std::vector<bf16> P(16 * KV_CHUNK), qbuf(16 * D);
+    auto first_at = [&](int64_t share) {
+      return std::lower_bound(cum.begin(), cum.end(), cum[n] * share / threads) - cum.begin();
+    };
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t i = first_at(t), end = t + 1 == threads ? n : first_at(t + 1); i < end; ++i) {
+        const Item& it = items[i];
+        const int64_t g = it.h / a.G;
+        amx_attend_tile<ND32>(a, qp, op, kt_of(it.run, g), vp_of(it.run, g), it.row0, it.nq, it.h, S.data(),
+                              P.data(), obuf.data(), qbuf.data());
+      }
+    _tile_release();
+  });
+  return rest;
+}
