@@ -112,12 +112,14 @@ class BlockManager:
             req.block_ids.append(bid)
         return True
 
-    def cache_computed(self, req: Request) -> None:
-        """Publish the request's full blocks whose KV has been computed (after a step)."""
-        if not self.enable_prefix_caching or req.num_computed_tokens // self.block_size <= req.num_cached_blocks:
+    def cache_computed(self, req: Request, upto: int | None = None) -> None:
+        """Publish the request's full blocks whose KV is computed by the end of the plan being
+        made or run: those of its first `upto` tokens (default: its computed tokens)."""
+        upto = req.num_computed_tokens if upto is None else upto
+        if not self.enable_prefix_caching or upto // self.block_size <= req.num_cached_blocks:
             return  # (no block filled since the last call: a decode step, 15 times out of 16)
         self.update_hashes(req)
-        full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
+        full = min(upto // self.block_size, len(req.block_hashes))
         for i in range(max(req.num_cached_blocks, req.num_released_blocks), full):
             bid, h = req.block_ids[i], req.block_hashes[i]
             if self.block_hash[bid] is None:

@@ -263,6 +263,8 @@ class Scheduler:
             if budget == 0:
                 break
 
+        for req, n in scheduled:  # (after the loop: a victim it preempted is out of `scheduled`)
+            self._publish(req, n)
         if not preempted:
             self._admit(scheduled, budget)
 
@@ -380,6 +382,8 @@ class Scheduler:
                 scheduled.append((req, n))
                 budget -= n
 
+        for req, n in scheduled:
+            self._publish(req, n)
         if admit and not preempted:
             self._admit(scheduled, budget, cap_q, cap_b)
         return scheduled, preempted
@@ -387,27 +391,21 @@ class Scheduler:
     def _admit(
         self, scheduled: list[tuple[Request, int]], budget: int, max_chunk: int | None = None, cap_b: int | None = None
     ) -> None:
-        """Admit waiting requests in order while the budget, seats and KV blocks allow. One whose
-        next prefix block another request is computing waits a plan (`_waits_for_prefix`) with its
-        seat kept, so those behind it go on without taking its place in line."""
+        """Admit waiting requests in order while the budget, seats and KV blocks allow. A prefix
+        that a request admitted before it computes in this plan is already in the prefix cache
+        (`_publish`): a burst of prompts sharing a system prompt computes it once, in one plan."""
         cfg = self.cfg
-        computing = self._blocks_in_flight(scheduled) if cfg.enable_prefix_caching and self.waiting else None
-        at = deferred = 0
+        at = 0
         while at < len(self.waiting) and budget > 0 and (cap_b is None or len(scheduled) < cap_b):
             at = self._next_admissible(at) if cfg.max_loras else at
-            if at is None or len(self.running) + deferred >= cfg.max_num_seqs or self.waiting[at].num_pending:
+            if at is None or len(self.running) >= cfg.max_num_seqs or self.waiting[at].num_pending:
                 break  # (a request preempted with a token in flight resumes once that token is back)
-            if computing is not None and self._waits_for_prefix(self.waiting[at], computing):
-                at += 1
-                deferred += 1
-                continue
             n = self._admit_head(budget, max_chunk, at=at)
             if not n:
                 break
             scheduled.append((self.running[-1], n))
             budget -= n
-            if computing is not None:
-                computing.update(self._computed_by(self.running[-1], n))
+            self._publish(self.running[-1], n)
 
     def _next_admissible(self, start: int = 0) -> int | None:
         """LoRA: the first waiting request from `start` whose adapter keeps the running set within
@@ -420,39 +418,16 @@ class Scheduler:
                 return i
         return None
 
-    # ------------------------------------------------------------------ shared prefixes in flight
-
-    def _computed_by(self, req: Request, n: int) -> list[bytes]:
-        """Hashes of the full blocks `req` computes up to its next n tokens and has not yet
-        published to the prefix cache (a sliding window never publishes released blocks)."""
-        if req.pooling is not None or req.kv is not None:
-            return []
-        end = min(len(req.block_hashes), (req.num_computed_tokens + n) // self.blocks.block_size)
-        return req.block_hashes[max(req.num_cached_blocks, req.num_released_blocks) : end]
-
-    def _blocks_in_flight(self, scheduled: list[tuple[Request, int]]) -> set[bytes]:
-        """Blocks that running requests compute in this plan or in plans still in flight."""
-        n_of = {id(r): n for r, n in scheduled}
-        out: set[bytes] = set()
-        for r in self.running:
-            out.update(self._computed_by(r, n_of.get(id(r), 0)))
-        return out
-
-    def _waits_for_prefix(self, req: Request, computing: set[bytes]) -> bool:
-        """True when the first block of req's prompt missing from the prefix cache is being
-        computed by another request: req is admitted a plan later and reuses it instead of
-        computing it again (a burst of prompts sharing a system prompt computes it once, not
-        once per request admitted in the same step). Only a block in flight defers, and it is
-        published (or dropped from flight) when its plan's result returns, so no request waits
-        longer than that plan."""
-        if req.pooling is not None or req.kv is not None or req.params.prompt_logprobs is not None:
-            return False
-        self.blocks.update_hashes(req)
-        cached = self.blocks.cached
-        for h in req.block_hashes:
-            if h not in cached:
-                return h in computing
-        return False
+    def _publish(self, req: Request, n: int) -> None:
+        """Put the full blocks `req` computes in its next n tokens into the prefix cache now, at
+        scheduling: a request admitted after it in this plan or a later one reuses them instead
+        of computing them again. Safe because plans run in order and, within a forward, every
+        layer writes the whole batch's K/V before any row attends (a row may read a block another
+        row of the same plan fills). Not for what may not be computed: a LoRA request's rows are
+        skipped when its adapter fails to load (it publishes after its step, `update`), pooling
+        requests keep no KV, and a P/D request's KV is imported, not computed."""
+        if req.lora is None and req.pooling is None and req.kv is None:
+            self.blocks.cache_computed(req, req.num_computed_tokens + n)
 
     def _admit_head(self, budget: int, max_chunk: int | None = None, at: int = 0) -> int:
         """Move the head of the waiting queue to running with its cached prefix attached and

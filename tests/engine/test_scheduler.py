@@ -217,9 +217,10 @@ def test_prefix_cache_reuses_full_blocks_and_recomputes_last_token():
 
 @pytest.mark.parametrize("depth", [1, 2])
 def test_a_burst_sharing_a_prefix_computes_it_once(depth):
-    """Prompts arriving together with a shared prefix: the first of each group computes it,
-    the others wait one plan (until it is published) and reuse it; a prompt sharing nothing is
-    not held up behind them. Async scheduling (depth 2) waits for the result, not the plan."""
+    """Prompts arriving together with a shared prefix: the first of each group computes it and
+    the others reuse it in the same plan (the forward writes every row's K/V before any row
+    attends); outputs are those of a run without prefix caching, with and without async
+    scheduling (depth 2)."""
     shared = [list(range(60, 72)), list(range(72, 84))]  # two groups, 3 full blocks each
 
     def burst(s):
@@ -230,18 +231,19 @@ def test_a_burst_sharing_a_prefix_computes_it_once(depth):
     s, w = make(block_size=4, budget=64), Worker(next_tok=lambda rid, i: 40 + i)
     burst(s)
     outs, finish, plans = drive(s, w, depth=depth)
-    assert [nr.request_id for nr in plans[0].new] == ["r0", "r1", "solo"]
-    later = {nr.request_id: nr.num_computed_tokens for p in plans for nr in p.new}
-    assert later == {"r0": 0, "r1": 0, "solo": 0, "r2": 12, "r3": 12}
+    assert [nr.request_id for nr in plans[0].new] == ["r0", "r1", "r2", "r3", "solo"]
+    hits = {nr.request_id: nr.num_computed_tokens for nr in plans[0].new}
+    assert hits == {"r0": 0, "r1": 0, "solo": 0, "r2": 12, "r3": 12}
+    assert plans[0].num_scheduled_tokens == [14, 15, 4, 5, 9]
     assert s.prefix_hits == 24
     ref_s, ref_w = make(block_size=4, budget=64, enable_prefix_caching=False), Worker(next_tok=lambda rid, i: 40 + i)
     burst(ref_s)
     assert (outs, finish) == drive(ref_s, ref_w, depth=depth)[:2]
 
 
-def test_a_request_waiting_for_a_prefix_keeps_its_seat():
-    """With one seat left, a later prompt does not take the place of one waiting a plan for its
-    prefix: it is admitted after it (first come, first served holds)."""
+def test_a_request_reusing_a_prefix_from_the_same_plan_keeps_its_place():
+    """With two seats, the second prompt of a shared prefix takes the second seat in the plan that
+    computes the prefix (first come, first served), and the unrelated prompt waits for a seat."""
     shared = list(range(60, 72))
     s, w = make(block_size=4, budget=64, max_seqs=2), Worker(next_tok=lambda rid, i: 40 + i)
     s.add(req("a", 2, prefix=shared, max_tokens=3))
@@ -249,7 +251,8 @@ def test_a_request_waiting_for_a_prefix_keeps_its_seat():
     s.add(req("solo", 5, prefix=[90, 91, 92, 93], max_tokens=3))
     outs, finish, plans = drive(s, w)
     admitted = [nr.request_id for p in plans for nr in p.new]
-    assert admitted == ["a", "b", "solo"] and [nr.request_id for nr in plans[0].new] == ["a"]
+    assert admitted == ["a", "b", "solo"] and [nr.request_id for nr in plans[0].new] == ["a", "b"]
+    assert plans[0].new[1].num_computed_tokens == 12
     assert set(finish) == {"a", "b", "solo"}
 
 
@@ -299,7 +302,7 @@ def test_chunked_prefill_off_waits_for_room():
     s, _w = make(budget=8, enable_chunked_prefill=False), Worker()
     assert "chunked prefill disabled" in s.check(req("huge", 9))
     s.add(req("a", 6))
-    s.add(req("b", 6))
+    s.add(req("b", 6, prefix=[99]))  # (nothing shared with a: all 7 tokens to compute)
     p = s.schedule()
     assert p.num_scheduled_tokens == [6]  # b does not fit the rest of the budget: no split
 

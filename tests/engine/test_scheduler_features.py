@@ -96,6 +96,36 @@ async def test_outputs_identical_under_each_feature(tiny_llama_dir, reference, c
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+async def test_a_burst_on_an_uncached_prefix_shares_it_within_a_plan(tiny_llama_dir, reference, async_scheduling):
+    """Every prompt at once on a cold cache: the prompts after the first of the shared prefix reuse
+    its blocks from the plan that computes them (engine/scheduler.py `_publish`: the forward writes
+    every row's K/V before any row attends), and greedy outputs stay transformers'."""
+    kw = dict(num_kv_blocks=400, block_size=4, max_num_batched_tokens=512, log_level="warning")
+    sup = Supervisor(EngineConfig(model=tiny_llama_dir, async_scheduling=async_scheduling, **kw), frontend=False)
+    await sup.start()
+    client = await AsyncEngineClient.connect(sup.addresses.engine, timeout=60)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=N_NEW, min_tokens=N_NEW)
+        outs = [client.generate(ids, params) for ids in workload()]
+
+        async def collect(stream) -> list[int]:
+            toks: list[int] = []
+            async for out in stream:
+                assert out.error is None, out.error
+                toks += out.token_ids
+            return toks
+
+        got = await asyncio.wait_for(asyncio.gather(*(collect(o) for o in outs)), 240)
+        stats = await client.get_stats()
+    finally:
+        client.close()
+        await sup.stop("test done")
+    assert got == reference
+    assert stats.prefix_cache_hits >= 3 * 36, stats  # the three followers' shared blocks, at least
+
+
+@pytest.mark.timeout(300)
 async def test_decodes_progress_during_a_long_chunked_prefill(tiny_llama_dir):
     """A 1,800-token prompt prefills in 64-token chunks while a running stream keeps decoding."""
     sup = Supervisor(
