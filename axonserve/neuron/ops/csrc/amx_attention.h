@@ -35,6 +35,30 @@ inline __m512 exp2_neg(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// r[k] := column k of the 16 x 16 matrix of 32-bit words whose rows are r[0..15]
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xDD);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xDD);
+  }
+}
+
 // K of one (run, KV head) as S's B tiles: block b of 16 keys, dim half c -> 16 rows (dim pairs) x
 // 16 keys of bf16 pairs, at kt + (b * ND32 + c) * 512. V as P V's B tiles: block b of 32 keys, dim
 // block db -> 16 rows (key pairs) x 16 dims of bf16 pairs, at vp + (b * D/16 + db) * 512. Keys
@@ -43,13 +67,13 @@ template <int ND32>
 void pack_kv(const bf16* kc, const bf16* vc, const int64_t* off, int64_t L, uint16_t* kt, uint16_t* vp) {
   constexpr int D = 32 * ND32, NDB = D / 16;
   const int64_t nb16 = (L + 15) / 16, nb32 = (L + 31) / 32;
-  uint32_t* kt32 = reinterpret_cast<uint32_t*>(kt);
   for (int64_t b = 0; b < nb16; ++b)
-    for (int n = 0; n < 16; ++n) {
-      const int64_t t = b * 16 + n;
-      const uint32_t* src = t < L ? reinterpret_cast<const uint32_t*>(kc + off[t]) : nullptr;
-      for (int c = 0; c < ND32; ++c)
-        for (int kp = 0; kp < 16; ++kp) kt32[(b * ND32 + c) * 256 + kp * 16 + n] = src ? src[c * 16 + kp] : 0u;
+    for (int c = 0; c < ND32; ++c) {  // 16 keys x 16 dim pairs, transposed as 32-bit words
+      __m512i r[16];
+      for (int n = 0; n < 16; ++n)
+        r[n] = b * 16 + n < L ? _mm512_loadu_si512(kc + off[b * 16 + n] + 32 * c) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int kp = 0; kp < 16; ++kp) _mm512_storeu_si512(kt + ((b * ND32 + c) * 16 + kp) * 32, r[kp]);
     }
   // two key rows -> their dims interleaved: lanes (2n, 2n+1) of a tile row = dim 16 db + n of keys 2kp, 2kp+1
   alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
@@ -170,9 +194,14 @@ void amx_attend_tile(const AttnArgs& a, const bf16* qp, bf16* op, const uint16_t
     for (int j = 0; j < 16 && EXP != 1; ++j) {  // the softmax over this chunk, row by row (lanes = keys)
       const float* s = S + j * KV_CHUNK;
       bf16* p = P + j * KV_CHUNK;
-      const int64_t valid = std::max<int64_t>(0, std::min(nk, kvl[j] - k0));
-      __m512 vmax = ninf;
-      for (int64_t z = 0; z < valid; z += 16) {
+      const int64_t valid = std::max<int64_t>(0, std::min(nk, kvl[j] - k0)), full = valid & ~int64_t(31);
+      __m512 vmax = ninf, vmax1 = ninf;
+      for (int64_t z = 0; z < full; z += 32) {
+        vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + z));
+        vmax1 = _mm512_max_ps(vmax1, _mm512_loadu_ps(s + z + 16));
+      }
+      vmax = _mm512_max_ps(vmax, vmax1);
+      for (int64_t z = full; z < valid; z += 16) {
         const __mmask16 mk = valid - z >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (valid - z)) - 1);
         vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(ninf, mk, s + z));
       }
@@ -182,8 +211,16 @@ void amx_attend_tile(const AttnArgs& a, const bf16* qp, bf16* op, const uint16_t
         for (int d = 0; d < D; d += 16)
           _mm512_storeu_ps(obuf + j * D + d, _mm512_mul_ps(_mm512_loadu_ps(obuf + j * D + d), _mm512_set1_ps(alpha)));
       const __m512 mm = _mm512_set1_ps(-mnew), cc = _mm512_set1_ps(c);
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t z = 0; z < np * 32; z += 32) {
+      __m512 sum = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+      for (int64_t z = 0; z < full; z += 32) {  // whole blocks of 32 valid keys
+        const __m512 p0 = exp2_neg(_mm512_fmadd_ps(_mm512_loadu_ps(s + z), cc, mm));
+        const __m512 p1 = exp2_neg(_mm512_fmadd_ps(_mm512_loadu_ps(s + z + 16), cc, mm));
+        sum = _mm512_add_ps(sum, p0);
+        sum1 = _mm512_add_ps(sum1, p1);
+        _mm512_storeu_si512(p + z, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+      }
+      sum = _mm512_add_ps(sum, sum1);
+      for (int64_t z = full; z < np * 32; z += 32) {  // the block the row's last key is in, and masked ones
         const int64_t v0 = valid - z, v1 = valid - z - 16;
         const __mmask16 k0m = v0 >= 16 ? __mmask16(0xFFFF) : v0 <= 0 ? __mmask16(0) : __mmask16((1u << v0) - 1);
         const __mmask16 k1m = v1 >= 16 ? __mmask16(0xFFFF) : v1 <= 0 ? __mmask16(0) : __mmask16((1u << v1) - 1);
