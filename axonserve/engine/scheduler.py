@@ -99,7 +99,10 @@ class Scheduler:
         self._to_drop: list[str] = []  # worker state to discard at the next step
         # per plan sent and not yet answered, oldest first: its requests, and which of them sample
         # how many tokens
-        self._in_flight: collections.deque[tuple[list[Request], list[tuple[Request, int]]]] = collections.deque()
+        # plans sent, results not back: ((request, tokens) scheduled, (request, tokens it samples))
+        self._in_flight: collections.deque[tuple[list[tuple[Request, int]], list[tuple[Request, int]]]] = (
+            collections.deque()
+        )
         self._step_id = self._step_base = 0
         self.num_forwards = 0  # model forwards of the plans made (multi-step plans run several)
         self.num_sp_forwards = 0  # of those, forwards the ranks ran sequence-parallel
@@ -528,7 +531,7 @@ class Scheduler:
         ]
         for r, m in sampling:
             r.num_pending += m
-        self._in_flight.append(([r for r, _ in scheduled], sampling))
+        self._in_flight.append((list(scheduled), sampling))
         self._step_id += 1
         # EAGLE drafts on worker rank 0 in the step itself, for requests that sample at its end;
         # above disable_by_batch_size the head is skipped (it would only take cores from the step)
@@ -589,6 +592,10 @@ class Scheduler:
         eagle = dict(zip(result.draft_request_ids, result.draft_token_ids))
         trees = dict(zip(result.draft_request_ids, result.draft_parents))
         scheduled, sampling = self._in_flight.popleft() if self._in_flight else ([], [])
+        ahead: dict[int, int] = {}  # request -> its tokens in plans still in flight (not computed yet)
+        for later, _ in self._in_flight:
+            for r, n in later:
+                ahead[id(r)] = ahead.get(id(r), 0) + n
         for req, m in sampling:
             req.num_pending -= m
         at = 0
@@ -606,8 +613,8 @@ class Scheduler:
                 req.num_computed_tokens -= k - (m - 1)
                 if self.spec is not None:
                     self.spec.record(req, k, m - 1, req.verified_depth)
-            if running:
-                self.blocks.cache_computed(req)  # verified KV only; before a finish frees the blocks
+            if running:  # verified KV only (not a later plan's); before a finish frees the blocks
+                self.blocks.cache_computed(req, req.num_computed_tokens - ahead.get(id(req), 0))
             kept, done = req.append_tokens(toks, self.cfg.eos_token_ids)
             new = toks[:kept]
             self.generation_tokens += len(new)
@@ -652,9 +659,9 @@ class Scheduler:
             req.finish_reason = "stop"
             deltas.append(RequestDelta(rid, finish_reason="stop", num_prompt_tokens=req.num_prompt_tokens))
             self._finish(req)
-        for req in scheduled:  # prefill chunks that sampled nothing
+        for req, _ in scheduled:  # prefill chunks that sampled nothing
             if req.status == Status.RUNNING and req.pooling is None and not req.num_spec_scheduled:
-                self.blocks.cache_computed(req)
+                self.blocks.cache_computed(req, req.num_computed_tokens - ahead.get(id(req), 0))
         return deltas
 
     def take_drafts(self, req: Request, drafts: list[int], parents: list[int] | None = None) -> None:

@@ -111,3 +111,19 @@ def test_request_whose_adapter_failed_on_the_ranks_ends_with_400():
     assert "bad" in s.schedule().finished_request_ids  # the ranks drop its state
     bogus = StepResult(plan.step_id, failed_request_ids=["never-planned"], failed_errors=["x"])
     assert result_problem(plan, bogus) is not None
+
+
+def test_an_adapter_request_publishes_only_blocks_of_returned_plans():
+    """An adapter request's rows are skipped when its adapter fails to load, so its blocks enter the
+    prefix cache only from results (Scheduler._publish skips it), and with async scheduling only
+    those of plans whose result is back: never the next plan's, still in flight."""
+    s, w = make(max_loras=1, budget=4, async_scheduling=True), Worker()
+    r = lreq("a", 10, A, prefix=list(range(20, 30)))  # 20 tokens: 5 blocks of 4
+    s.add(r)
+    p1, p2 = s.schedule(), s.schedule()  # both in flight
+    assert p1.num_scheduled_tokens == [4] and p2.num_scheduled_tokens == [4]
+    assert not s.blocks.cached
+    s.update(w.run(p1))
+    assert r.num_cached_blocks == 1 and len(s.blocks.cached) == 1
+    s.update(w.run(p2))
+    assert r.num_cached_blocks == 2 and len(s.blocks.cached) == 2

@@ -127,32 +127,35 @@ def test_paged_attention_mixed_batch(dtype, head_dim, long, far, group, monkeypa
 @pytest.mark.parametrize("head_dim", [64, 32])
 @pytest.mark.parametrize("bs", [16, 4])
 @pytest.mark.parametrize("peaky", [False, True])
-def test_amx_prefill_chunks_against_float32(head_dim, bs, peaky):
+@pytest.mark.parametrize("tree", [False, True])
+def test_amx_prefill_chunks_against_float32(head_dim, bs, peaky, tree):
     """bf16 prefill chunks on AMX tiles (csrc/amx_attention.h): chunks of 16+ rows, first or after a
     context, with lengths off the 16-row tile and past the 256-key softmax chunk, amid decodes and a
     short chunk (per-row kernel), all in one call; against float32 attention over the same bf16
     inputs, as close as torch's bf16 SDPA gets. peaky: large scores, so rows' maxima grow from one
-    key chunk to the next (the running rescale)."""
+    key chunk to the next (the running rescale). tree: a draft tree's verification rides along (its
+    rows have extra keys and stay on the per-row kernel; the chunks still take the tiles)."""
     assert K.amx_attention(head_dim) and not K.amx_attention(128)
     g = _gen(7)
     blocks, hkv, hq = 1024, 2, 6
     k_cache = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(torch.bfloat16)
     v_cache = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(torch.bfloat16)
-    seqs = [(1, 40), (1, 700), (16, 0), (5, 9), (17, 3), (100, 0), (300, 500), (33, 257)]
+    seqs = [(1, 40), (1, 700), (4, 30), (16, 0), (5, 9), (17, 3), (100, 0), (300, 500), (33, 257)]
     tables = random_block_tables(seqs, bs, blocks, g)
+    trees = {2: [-1, 0, 0]} if tree else None  # row 0: the last token; drafts 1 and 2 both follow draft 0
     args = ([q for q, _ in seqs], [c for _, c in seqs], tables, bs)
     t = sum(q for q, _ in seqs)
     q, k, v = (torch.randn(t, h, head_dim, generator=g).to(torch.bfloat16) for h in (hq, hkv, hkv))
     if peaky:
         q = (q.float() * 8).to(torch.bfloat16)
     scale = head_dim**-0.5
-    meta = AttentionMetadata.build(*args, native=K, native_chunks=True)
+    meta = AttentionMetadata.build(*args, native=K, trees=trees, native_chunks=True)
     assert meta.native_rows == t and not meta.prefills  # every chunk on the kernel
+    assert (meta.native_row_extra is not None) == tree
     got = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, scale)
-    ref = paged_attention(
-        q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), AttentionMetadata.build(*args), scale
-    )
-    sdpa = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), AttentionMetadata.build(*args), scale)
+    torch_meta = AttentionMetadata.build(*args, trees=trees)
+    ref = paged_attention(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), torch_meta, scale)
+    sdpa = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), torch_meta, scale)
     err, sdpa_err = (got.float() - ref).abs().max().item(), (sdpa.float() - ref).abs().max().item()
     assert err <= 1.5 * sdpa_err + 1e-3, (err, sdpa_err)
     torch.testing.assert_close(got.float(), ref, atol=1.6e-2, rtol=1.6e-2)

@@ -5,9 +5,10 @@ dispatch (~15 module calls, views and allocations), a sizeable share of a 30-lay
 any batch size next to its weight streaming (docs/benchmarks.md#fig-neuron-fused). The native
 stack runs the same kernels in the same order (bit-identical outputs) from C++ with the GIL
 released. It takes the steps whose every row attends through the native paged-attention kernel
-(decodes, verifications, chunks under NATIVE_MAX_QUERY tokens) on dense Llama-family models on one
-rank; anything else (MoE, Qwen3's per-head norms, tensor parallelism, snapshot hooks, long prefill
-chunks) runs the Python modules. AXONSERVE_FUSED=0 turns it off.
+(decodes, verifications, chunks under NATIVE_MAX_QUERY tokens, and prefill chunks of any length
+where the kernel runs them on AMX tiles: attention.takes_chunks) on dense Llama-family models on
+one rank; anything else (MoE, Qwen3's per-head norms, tensor parallelism, snapshot hooks, long
+prefill chunks without AMX) runs the Python modules. AXONSERVE_FUSED=0 turns it off.
 """
 
 from __future__ import annotations

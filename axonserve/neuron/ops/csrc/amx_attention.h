@@ -20,10 +20,10 @@ struct AttnRun {
   int64_t row0, n;  // rows row0 .. row0 + n - 1; row row0 + i attends to kvl[row0] + i keys
 };
 
-// 2^x for x <= 0 (below -126: ~0): degree-5 polynomial on [-0.5, 0.5] (relative error < 3e-6;
-// P is rounded to bf16 right after, 2^-9)
+// 2^x for x <= 0 (below -126: ~0; NaN stays NaN, so a NaN score makes its row's output NaN):
+// degree-5 polynomial on [-0.5, 0.5] (relative error < 3e-6; P is rounded to bf16 right after, 2^-9)
 inline __m512 exp2_neg(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  x = _mm512_max_ps(_mm512_set1_ps(-126.f), x);  // (operand order: vmaxps returns the second on NaN)
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
   __m512 p = _mm512_set1_ps(1.3333558e-3f);
@@ -131,33 +131,24 @@ inline void pv_blocks(const bf16* P, const uint16_t* vb, int64_t np, float* obuf
     _tile_loadd(2, obuf + 32, OS);
     _tile_loadd(3, obuf + 48, OS);
   }
-  for (int64_t b = 0; b < np; ++b, vb += NDB * 512) {
-    if (b & 1) {
-      _tile_loadd(7, P + b * 32, KV_CHUNK * 2);
-      _tile_loadd(4, vb, 64);
-      _tile_dpbf16ps(0, 7, 4);
-      _tile_loadd(5, vb + 512, 64);
-      _tile_dpbf16ps(1, 7, 5);
-      if (NDB > 2) {
-        _tile_loadd(4, vb + 1024, 64);
-        _tile_dpbf16ps(2, 7, 4);
-        _tile_loadd(5, vb + 1536, 64);
-        _tile_dpbf16ps(3, 7, 5);
-      }
-    } else {
-      _tile_loadd(6, P + b * 32, KV_CHUNK * 2);
-      _tile_loadd(4, vb, 64);
-      _tile_dpbf16ps(0, 6, 4);
-      _tile_loadd(5, vb + 512, 64);
-      _tile_dpbf16ps(1, 6, 5);
-      if (NDB > 2) {
-        _tile_loadd(4, vb + 1024, 64);
-        _tile_dpbf16ps(2, 6, 4);
-        _tile_loadd(5, vb + 1536, 64);
-        _tile_dpbf16ps(3, 6, 5);
-      }
-    }
+#define AXON_PV_BLOCK(PT)              \
+  {                                    \
+    _tile_loadd(PT, P + b * 32, KV_CHUNK * 2); \
+    _tile_loadd(4, vb, 64);            \
+    _tile_dpbf16ps(0, PT, 4);          \
+    _tile_loadd(5, vb + 512, 64);      \
+    _tile_dpbf16ps(1, PT, 5);          \
+    if (NDB > 2) {                     \
+      _tile_loadd(4, vb + 1024, 64);   \
+      _tile_dpbf16ps(2, PT, 4);        \
+      _tile_loadd(5, vb + 1536, 64);   \
+      _tile_dpbf16ps(3, PT, 5);        \
+    }                                  \
   }
+  for (int64_t b = 0; b < np; ++b, vb += NDB * 512) {  // (tile numbers are immediates)
+    if (b & 1) AXON_PV_BLOCK(7) else AXON_PV_BLOCK(6)
+  }
+#undef AXON_PV_BLOCK
   _tile_stored(0, obuf, OS);
   _tile_stored(1, obuf + 16, OS);
   if (NDB > 2) {
@@ -172,7 +163,6 @@ void amx_attend_tile(const AttnArgs& a, const bf16* qp, bf16* op, const uint16_t
                      int64_t row0, int64_t nq, int64_t h, float* S, bf16* P, float* obuf, bf16* qbuf) {
   constexpr int D = 32 * ND32, NDB = D / 16;
   const float c = a.scale * 1.44269504088896341f;  // scores in base-2 units
-  static const int EXP = getenv("AXON_EXP") ? atoi(getenv("AXON_EXP")) : 0;
   int64_t kvl[16];
   for (int j = 0; j < 16; ++j) kvl[j] = a.kvl[row0 + std::min<int64_t>(j, nq - 1)];
   const int64_t Lt = kvl[15];
@@ -189,9 +179,9 @@ void amx_attend_tile(const AttnArgs& a, const bf16* qp, bf16* op, const uint16_t
     const int64_t nk = std::min(KV_CHUNK, Lt - k0), nb = (nk + 15) / 16, np = (nk + 31) / 32;
     _tile_loadd(6, qbuf, D * 2);
     if (ND32 == 2) _tile_loadd(7, qbuf + 32, D * 2);
-    for (int64_t b = 0; b < nb && EXP != 2; b += 4)  // S = Q K^T
+    for (int64_t b = 0; b < nb; b += 4)  // S = Q K^T
       s_blocks<ND32>(kt + (k0 / 16 + b) * ND32 * 512, std::min<int64_t>(4, nb - b), S + b * 16);
-    for (int j = 0; j < 16 && EXP != 1; ++j) {  // the softmax over this chunk, row by row (lanes = keys)
+    for (int j = 0; j < 16; ++j) {  // the softmax over this chunk, row by row (lanes = keys)
       const float* s = S + j * KV_CHUNK;
       bf16* p = P + j * KV_CHUNK;
       const int64_t valid = std::max<int64_t>(0, std::min(nk, kvl[j] - k0)), full = valid & ~int64_t(31);
@@ -233,7 +223,7 @@ void amx_attend_tile(const AttnArgs& a, const bf16* qp, bf16* op, const uint16_t
       l[j] = l[j] * alpha + _mm512_reduce_add_ps(sum);
       m[j] = mnew;
     }
-    if (EXP != 2) pv_blocks<NDB>(P, vp + (k0 / 32) * NDB * 512, np, obuf);  // O += P V
+    pv_blocks<NDB>(P, vp + (k0 / 32) * NDB * 512, np, obuf);  // O += P V
   }
   for (int64_t j = 0; j < nq; ++j) {
     const __m512 inv = _mm512_set1_ps(1.f / l[j]);
@@ -242,16 +232,24 @@ void amx_attend_tile(const AttnArgs& a, const bf16* qp, bf16* op, const uint16_t
   }
 }
 
-// Takes the runs of AMX_ATTN_MIN_RUN+ rows (bf16 q and cache, head_dim 32 or 64, no window, no
-// extra keys: the caller checks) and returns the rows left for the per-row kernel, in order.
+// Takes the runs of AMX_ATTN_MIN_RUN+ rows without extra keys (bf16 q and cache, head_dim 32 or 64,
+// no window: the caller checks) and returns the rows left for the per-row kernel, in order. (A value
+// row past a row's keys is multiplied by its zero probability: an inf there would make it NaN, where
+// the per-row kernel never reads it; K/V rows of a sequence are finite unless its model overflowed.)
 template <int ND32>
 std::vector<int64_t> amx_attend_runs(const AttnArgs& a, const bf16* qp, bf16* op, const bf16* kc, const bf16* vc) {
   constexpr int D = 32 * ND32;
   std::vector<AttnRun> runs;
   std::vector<int64_t> rest;
+  auto plain = [&](int64_t r) {  // no extra keys (a draft tree's rows have some: per-row kernel)
+    for (int64_t e = 0; e < a.E; ++e)
+      if (a.extra[r * a.E + e] >= 0) return false;
+    return true;
+  };
   for (int64_t r = 0; r < a.R;) {
     int64_t e = r + 1;
-    while (e < a.R && a.seq[e] == a.seq[r] && a.kvl[e] == a.kvl[e - 1] + 1) ++e;
+    if (plain(r))
+      while (e < a.R && a.seq[e] == a.seq[r] && a.kvl[e] == a.kvl[e - 1] + 1 && plain(e)) ++e;
     if (e - r >= AMX_ATTN_MIN_RUN) runs.push_back({r, e - r});
     else
       for (int64_t i = r; i < e; ++i) rest.push_back(i);
@@ -266,8 +264,8 @@ std::vector<int64_t> amx_attend_runs(const AttnArgs& a, const bf16* qp, bf16* op
     const int64_t per = ((L + 15) / 16) * ND32 * 512 + ((L + 31) / 32) * (D / 16) * 512;
     for (int64_t h = 0; h < a.Hkv; ++h) base[i * a.Hkv + h + 1] = base[i * a.Hkv + h] + per;
   }
-  std::vector<uint16_t> packed(base.back());
-  auto kt_of = [&](int64_t i, int64_t h) { return packed.data() + base[i * a.Hkv + h]; };
+  std::unique_ptr<uint16_t[]> packed(new uint16_t[base.back()]);  // (every element is written by pack_kv)
+  auto kt_of = [&](int64_t i, int64_t h) { return packed.get() + base[i * a.Hkv + h]; };
   auto vp_of = [&](int64_t i, int64_t h) {
     const int64_t L = a.kvl[runs[i].row0 + runs[i].n - 1];
     return kt_of(i, h) + ((L + 15) / 16) * ND32 * 512;

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -563,7 +564,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   bool some_rows = false;
 #ifdef AXON_AMX
   if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16>)
-    if (!win && a.E == 0 && (a.D == 64 || a.D == 32) && a.R >= AMX_ATTN_MIN_RUN && amx_permitted()) {
+    if (!win && (a.D == 64 || a.D == 32) && a.R >= AMX_ATTN_MIN_RUN && amx_permitted()) {
       rows = a.D == 64 ? amx_attend_runs<2>(a, qp, op, kc, vc) : amx_attend_runs<1>(a, qp, op, kc, vc);
       some_rows = true;
     }
