@@ -249,9 +249,10 @@ def test_offline_llm_survives_a_scheduler_kill(tiny_llama_dir):
     from axonserve.frontends.offline import LLM
     from axonserve.protocol.messages import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=200, min_tokens=200)
+    # long enough that the kill lands mid-generation (200 tokens took ~1 s on a fast hour: the kill came too late)
+    params = SamplingParams(temperature=0, max_tokens=480, min_tokens=480)
     prompts = PROMPTS[:8]
-    config = EngineConfig(model=tiny_llama_dir, num_kv_blocks=512, max_model_len=256, heartbeat_timeout_s=4.0)
+    config = EngineConfig(model=tiny_llama_dir, num_kv_blocks=1024, max_model_len=512, heartbeat_timeout_s=4.0)
     with LLM(config=config) as llm:
         want = [o.outputs[0].text for o in llm.generate(prompts, params)]
         me = os.getpid()
