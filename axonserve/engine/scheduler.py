@@ -97,9 +97,8 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by _order_key
         self.running: list[Request] = []
         self._to_drop: list[str] = []  # worker state to discard at the next step
-        # per plan sent and not yet answered, oldest first: its requests, and which of them sample
-        # how many tokens
-        # plans sent, results not back: ((request, tokens) scheduled, (request, tokens it samples))
+        # per plan sent and not yet answered, oldest first: its (request, tokens) scheduled, and
+        # which of them sample how many tokens
         self._in_flight: collections.deque[tuple[list[tuple[Request, int]], list[tuple[Request, int]]]] = (
             collections.deque()
         )

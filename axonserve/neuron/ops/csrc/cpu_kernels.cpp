@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -560,17 +561,14 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   else if (a.D == 256) item_fn = win ? &attend_item_avx2<T, C, 32, true> : &attend_item_avx2<T, C, 32, false>;
 #endif
   // prefill chunks of bf16 models: AMX tiles (amx_attention.h); the rows left come here
-  std::vector<int64_t> rows;
-  bool some_rows = false;
+  std::optional<std::vector<int64_t>> rest;  // (unset: every row)
 #ifdef AXON_AMX
   if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16>)
-    if (!win && (a.D == 64 || a.D == 32) && a.R >= AMX_ATTN_MIN_RUN && amx_permitted()) {
-      rows = a.D == 64 ? amx_attend_runs<2>(a, qp, op, kc, vc) : amx_attend_runs<1>(a, qp, op, kc, vc);
-      some_rows = true;
-    }
+    if (!win && (a.D == 64 || a.D == 32) && a.R >= AMX_ATTN_MIN_RUN && amx_permitted())
+      rest = a.D == 64 ? amx_attend_runs<2>(a, qp, op, kc, vc) : amx_attend_runs<1>(a, qp, op, kc, vc);
 #endif
-  const int64_t nrows = some_rows ? int64_t(rows.size()) : a.R;
-  auto row_of = [&](int64_t i) { return some_rows ? rows[i] : i; };
+  const int64_t nrows = rest ? int64_t(rest->size()) : a.R;
+  auto row_of = [&](int64_t i) { return rest ? (*rest)[i] : i; };
   const int64_t n = nrows * a.Hkv;
   auto run = [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
