@@ -275,17 +275,30 @@ inline int64_t key_offsets(const AttnArgs& a, int64_t r, int64_t h, std::vector<
   return n;
 }
 
+// Requests the rows off[t0 .. t1) of a cache (each `lines` cache lines) into L1 (T0) or L2 (T1).
+// As asm: GCC 12 can vectorize a loop of _mm_prefetch over gathered offsets, dropping the prefetches.
+template <int HINT, typename C>
+inline void prefetch_rows(const C* base, const int64_t* off, int64_t t0, int64_t t1, int64_t lines) {
+  for (int64_t i = t0; i < t1; ++i)
+    for (int64_t c = 0; c < lines; ++c) {
+      const char* p = reinterpret_cast<const char*>(base + off[i]) + 64 * c;
+      if constexpr (HINT == _MM_HINT_T1) asm volatile("prefetcht1 %0" : : "m"(*p));
+      else asm volatile("prefetcht0 %0" : : "m"(*p));
+    }
+}
+
 // head_dim = 16 * ND with AVX-512. The G query heads of the KV head share each key/value load:
 // a block of 16 keys is widened to float32 once (in L1) and scored against every query head,
 // and each value row is widened once and accumulated into up to GC heads' outputs in registers
 // (bf16 widening otherwise costs as much as the FMAs, G times over).
+// `off`: the item's key offsets (key_offsets); `next`: the next item's on this thread, or null.
 template <typename T, typename C, int ND, bool WIN>
 void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const C* kc, const C* vc, int64_t r, int64_t h,
-                     std::vector<float>& scores, std::vector<int64_t>& off) {
+                     std::vector<float>& scores, const std::vector<int64_t>& off, const std::vector<int64_t>* next) {
 #ifdef AXON_AVX512
   constexpr int D = 16 * ND, GC = ND >= 16 ? 1 : 16 / ND;  // GC * ND accumulators <= 16 registers
   constexpr bool Q8 = scaled_cache_v<C>;  // int8 / fp8 cache: a float32 scale per (slot, head)
-  const int64_t G = a.G, L = key_offsets<WIN>(a, r, h, off);
+  const int64_t G = a.G, L = int64_t(off.size());
   scores.resize(G * L + G * D + (Q8 ? 2 * L : 0));
   float* qs = scores.data() + G * L;  // the G query rows, scaled, as float32
   float* ksc = qs + G * D;  // Q8: the keys' and values' scales, in key order
@@ -301,16 +314,12 @@ void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const C* kc, const C
   // the keys sit in blocks scattered over the cache, a row of one head every Hkv * D elements: too
   // short a run for the hardware prefetcher, so each block's successor keys and this block's values
   // are requested while its scores are computed (cache-cold, 32 rows x 100 keys: ~300 -> ~190 us)
-  constexpr int64_t LINE = 64 / sizeof(C), ROW_LINES = (D + LINE - 1) / LINE;
-  auto prefetch_rows = [&](const C* base, int64_t t0, int64_t t1) {
-    for (int64_t i = t0; i < t1; ++i)
-      for (int64_t c = 0; c < ROW_LINES; ++c) _mm_prefetch(reinterpret_cast<const char*>(base + off[i] + c * LINE), _MM_HINT_T0);
-  };
-  prefetch_rows(kc, 0, std::min<int64_t>(32, L));
+  constexpr int64_t ROW_LINES = (D * sizeof(C) + 63) / 64;
+  prefetch_rows<_MM_HINT_T0>(kc, off.data(), 0, std::min<int64_t>(32, L), ROW_LINES);
   for (int64_t t = 0; t < L; t += 16) {
     const int64_t nk = std::min<int64_t>(16, L - t);
-    prefetch_rows(kc, t + 32, std::min<int64_t>(t + 48, L));
-    prefetch_rows(vc, t, t + nk);
+    prefetch_rows<_MM_HINT_T0>(kc, off.data(), t + 32, std::min<int64_t>(t + 48, L), ROW_LINES);
+    prefetch_rows<_MM_HINT_T0>(vc, off.data(), t, t + nk, ROW_LINES);
     for (int64_t i = 0; i < nk; ++i)
       for (int c = 0; c < ND; ++c) _mm512_store_ps(kb + i * D + 16 * c, load16(kc + off[t + i] + 16 * c));
     for (int64_t g = 0; g < G; ++g) {
@@ -344,7 +353,18 @@ void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const C* kc, const C
     for (int gi = 0; gi < GC; ++gi)
       for (int c = 0; c < ND; ++c) acc[gi][c] = _mm512_setzero_ps();
     const float* s0 = scores.data() + g0 * L;
+    // The first values pass also requests the next item's keys and values into L2, a row a key: the
+    // scores pass above keeps the memory busy with its own rows, this one otherwise leaves it idle
+    // (one core's reads and this kernel's arithmetic about equal at 64-128 decode rows; 128 x 161
+    // keys from DRAM: -11..13 %; docs/benchmarks.md#fig-decode-attention-bound).
+    const int64_t nn = g0 == 0 && next ? int64_t(next->size()) : 0;
+    if (nn > L) prefetch_rows<_MM_HINT_T1>(kc, next->data(), L, nn, ROW_LINES);  // (its keys past ours)
+    if (nn > L) prefetch_rows<_MM_HINT_T1>(vc, next->data(), L, nn, ROW_LINES);
     for (int64_t t = 0; t < L; ++t) {
+      if (t < nn) {
+        prefetch_rows<_MM_HINT_T1>(kc, next->data(), t, t + 1, ROW_LINES);
+        prefetch_rows<_MM_HINT_T1>(vc, next->data(), t, t + 1, ROW_LINES);
+      }
       __m512 v[ND];
       const C* vp = vc + off[t];
       for (int c = 0; c < ND; ++c) v[c] = load16(vp + 16 * c);
@@ -368,11 +388,11 @@ void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const C* kc, const C
 // time in registers. Same math as the scalar path, in a different summation order.
 template <typename T, typename C, int ND, bool WIN>
 void attend_item_avx2(const AttnArgs& a, const T* qp, T* op, const C* kc, const C* vc, int64_t r, int64_t h,
-                      std::vector<float>& scores, std::vector<int64_t>& off) {
+                      std::vector<float>& scores, const std::vector<int64_t>& off, const std::vector<int64_t>*) {
 #ifdef AXON_AVX2
   constexpr int D = 8 * ND;
   constexpr bool Q8 = scaled_cache_v<C>;
-  const int64_t G = a.G, L = key_offsets<WIN>(a, r, h, off);
+  const int64_t G = a.G, L = int64_t(off.size());
   scores.resize(G * L + G * D + (Q8 ? 2 * L : 0));
   float* qs = scores.data() + G * L;  // the G query rows, scaled, as float32
   float* ksc = qs + G * D;
@@ -465,9 +485,9 @@ void attend_item_avx2(const AttnArgs& a, const T* qp, T* op, const C* kc, const 
 
 template <typename T, typename C, bool WIN>
 void attend_item_scalar(const AttnArgs& a, const T* qp, T* op, const C* kc, const C* vc, int64_t r, int64_t h,
-                        std::vector<float>& scores, std::vector<int64_t>& off) {
+                        std::vector<float>& scores, const std::vector<int64_t>& off, const std::vector<int64_t>*) {
   constexpr bool Q8 = scaled_cache_v<C>;
-  const int64_t G = a.G, L = key_offsets<WIN>(a, r, h, off), D = a.D;
+  const int64_t G = a.G, L = int64_t(off.size()), D = a.D;
   scores.resize(G * L);
   std::vector<float> acc(D);
   for (int64_t g = 0; g < G; ++g) {
@@ -541,11 +561,19 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   const int64_t nrows = rest ? int64_t(rest->size()) : a.R;
   auto row_of = [&](int64_t i) { return rest ? (*rest)[i] : i; };
   const int64_t n = nrows * a.Hkv;
+  auto offsets = [&](int64_t item, std::vector<int64_t>& off) {
+    if (win) key_offsets<true>(a, row_of(item / a.Hkv), item % a.Hkv, off);
+    else key_offsets<false>(a, row_of(item / a.Hkv), item % a.Hkv, off);
+  };
   auto run = [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<int64_t> off;
-    for (int64_t item = begin; item < end; ++item)
-      item_fn(a, qp, op, kc, vc, row_of(item / a.Hkv), item % a.Hkv, scores, off);
+    std::vector<int64_t> off, next;  // this item's key offsets and the next one's (it prefetches them)
+    if (begin < end) offsets(begin, next);
+    for (int64_t item = begin; item < end; ++item) {
+      std::swap(off, next);
+      if (item + 1 < end) offsets(item + 1, next);
+      item_fn(a, qp, op, kc, vc, row_of(item / a.Hkv), item % a.Hkv, scores, off, item + 1 < end ? &next : nullptr);
+    }
   };
   if (n == 0) return;
   // Each thread takes a contiguous run of items holding an equal share of the keys (+1 per item
