@@ -356,7 +356,7 @@ void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const C* kc, const C
     // The first values pass also requests the next item's keys and values into L2, a row a key: the
     // scores pass above keeps the memory busy with its own rows, this one otherwise leaves it idle
     // (one core's reads and this kernel's arithmetic about equal at 64-128 decode rows; 128 x 161
-    // keys from DRAM: -11..13 %; docs/benchmarks.md#fig-decode-attention-bound).
+    // keys from DRAM: ~0.92x the time; docs/benchmarks.md#fig-decode-attention-bound).
     const int64_t nn = g0 == 0 && next ? int64_t(next->size()) : 0;
     if (nn > L) prefetch_rows<_MM_HINT_T1>(kc, next->data(), L, nn, ROW_LINES);  // (its keys past ours)
     if (nn > L) prefetch_rows<_MM_HINT_T1>(vc, next->data(), L, nn, ROW_LINES);
