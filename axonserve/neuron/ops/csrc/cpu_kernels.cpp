@@ -292,7 +292,7 @@ inline void prefetch_rows(const C* base, const int64_t* off, int64_t t0, int64_t
 // and each value row is widened once and accumulated into up to GC heads' outputs in registers
 // (bf16 widening otherwise costs as much as the FMAs, G times over).
 // `off`: the item's key offsets (key_offsets); `next`: the next item's on this thread, or null.
-template <typename T, typename C, int ND, bool WIN>
+template <typename T, typename C, int ND>
 void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const C* kc, const C* vc, int64_t r, int64_t h,
                      std::vector<float>& scores, const std::vector<int64_t>& off, const std::vector<int64_t>* next) {
 #ifdef AXON_AVX512
@@ -386,7 +386,7 @@ void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const C* kc, const C
 // of 8 positions are widened to float32 into L1 once and shared by the G query heads; scores of
 // 8 keys come out of one transposed reduction; the output is accumulated 8 chunks (64 dims) at a
 // time in registers. Same math as the scalar path, in a different summation order.
-template <typename T, typename C, int ND, bool WIN>
+template <typename T, typename C, int ND>
 void attend_item_avx2(const AttnArgs& a, const T* qp, T* op, const C* kc, const C* vc, int64_t r, int64_t h,
                       std::vector<float>& scores, const std::vector<int64_t>& off, const std::vector<int64_t>*) {
 #ifdef AXON_AVX2
@@ -483,7 +483,7 @@ void attend_item_avx2(const AttnArgs& a, const T* qp, T* op, const C* kc, const 
 #endif
 }
 
-template <typename T, typename C, bool WIN>
+template <typename T, typename C>
 void attend_item_scalar(const AttnArgs& a, const T* qp, T* op, const C* kc, const C* vc, int64_t r, int64_t h,
                         std::vector<float>& scores, const std::vector<int64_t>& off, const std::vector<int64_t>*) {
   constexpr bool Q8 = scaled_cache_v<C>;
@@ -539,17 +539,17 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   const C* kc = static_cast<const C*>(k_cache.data_ptr());
   const C* vc = static_cast<const C*>(v_cache.data_ptr());
   const bool win = a.win > 0;
-  auto item_fn = win ? &attend_item_scalar<T, C, true> : &attend_item_scalar<T, C, false>;
+  auto item_fn = &attend_item_scalar<T, C>;  // (a window is in the key offsets the caller passes)
 #ifdef AXON_AVX512
-  if (a.D == 64) item_fn = win ? &attend_item_vec<T, C, 4, true> : &attend_item_vec<T, C, 4, false>;
-  else if (a.D == 128) item_fn = win ? &attend_item_vec<T, C, 8, true> : &attend_item_vec<T, C, 8, false>;
-  else if (a.D == 32) item_fn = win ? &attend_item_vec<T, C, 2, true> : &attend_item_vec<T, C, 2, false>;
-  else if (a.D == 256) item_fn = win ? &attend_item_vec<T, C, 16, true> : &attend_item_vec<T, C, 16, false>;
+  if (a.D == 64) item_fn = &attend_item_vec<T, C, 4>;
+  else if (a.D == 128) item_fn = &attend_item_vec<T, C, 8>;
+  else if (a.D == 32) item_fn = &attend_item_vec<T, C, 2>;
+  else if (a.D == 256) item_fn = &attend_item_vec<T, C, 16>;
 #elif defined(AXON_AVX2)
-  if (a.D == 64) item_fn = win ? &attend_item_avx2<T, C, 8, true> : &attend_item_avx2<T, C, 8, false>;
-  else if (a.D == 128) item_fn = win ? &attend_item_avx2<T, C, 16, true> : &attend_item_avx2<T, C, 16, false>;
-  else if (a.D == 32) item_fn = win ? &attend_item_avx2<T, C, 4, true> : &attend_item_avx2<T, C, 4, false>;
-  else if (a.D == 256) item_fn = win ? &attend_item_avx2<T, C, 32, true> : &attend_item_avx2<T, C, 32, false>;
+  if (a.D == 64) item_fn = &attend_item_avx2<T, C, 8>;
+  else if (a.D == 128) item_fn = &attend_item_avx2<T, C, 16>;
+  else if (a.D == 32) item_fn = &attend_item_avx2<T, C, 4>;
+  else if (a.D == 256) item_fn = &attend_item_avx2<T, C, 32>;
 #endif
   // prefill chunks of bf16 models: AMX tiles (amx_attention.h); the rows left come here
   std::optional<std::vector<int64_t>> rest;  // (unset: every row)
