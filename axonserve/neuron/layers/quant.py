@@ -89,7 +89,7 @@ class QuantizedWeight:
         if self.skinny is not None:
             if x.shape[0] <= self.skinny_rows and x.dim() == 2 and x.stride(-1) == 1:
                 return self.kernels.skinny_int8(x, self.skinny, self.skinny_scales)
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.data, None, "none", [], "")
+            return onednn_matmul(x, self.data)
         if self.method == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.data, INT4_GROUP, self.scales)
@@ -99,6 +99,8 @@ class PackedWeight:
     """A bf16 weight reordered once into oneDNN's blocked layout (what inductor's CPU freezing
     does): a plain bf16 gemm re-packs the weight on every call, which made a batch-32 SmolLM2
     step's matmuls markedly slower (same products, bit for bit; docs/benchmarks.md#fig-neuron-quant).
+    Products of 256+ rows may run with the rows split between the threads where oneDNN threads
+    the shape poorly (`onednn_matmul`): within one bf16 rounding of oneDNN's own.
 
     With AVX512-BF16 a second copy in the native skinny layout serves calls of up to
     `skinny_rows` rows (64 with AMX: a decode batch, a verification; 3 with AVX512-BF16 only):
@@ -129,7 +131,18 @@ class PackedWeight:
             return self.kernels.skinny_bf16(x, self.skinny)
         if not self.onednn:
             return torch.nn.functional.linear(x, self.data)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.data, None, "none", [], "")
+        return onednn_matmul(x, self.data)
+
+
+def onednn_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x @ W^T through oneDNN's bf16 matmul on a reordered weight; with the native kernels, rows
+    split between the threads for the shapes oneDNN threads poorly (cpu_kernels.cpp `onednn_linear`)."""
+    from axonserve.neuron.ops import native
+
+    k = native.kernels()
+    if k is not None:
+        return k.onednn_linear(x.contiguous(), packed)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
 
 
 class PanelWeight:

@@ -120,6 +120,19 @@ inline void s_blocks(const uint16_t* kb, int64_t nb, float* S) {
   if (nb > 3) _tile_stored(3, S + 48, KV_CHUNK * 4);
 }
 
+// S for one block of 16 keys in tile 0 (Q in tiles 6 / 7, K in 4 / 5)
+template <int ND32>
+inline void s_block(const uint16_t* kb, float* S) {
+  _tile_zero(0);
+  _tile_loadd(4, kb, 64);
+  _tile_dpbf16ps(0, 6, 4);
+  if (ND32 == 2) {
+    _tile_loadd(5, kb + 512, 64);
+    _tile_dpbf16ps(0, 7, 5);
+  }
+  _tile_stored(0, S, KV_CHUNK * 4);
+}
+
 // O (tiles 0..3, loaded from and stored back to obuf [16 x D] float32) += P V over np blocks of 32
 // keys; P in tiles 6 / 7 alternately, V in 4 / 5.
 template <int NDB>
@@ -175,14 +188,23 @@ void amx_attend_tile(const AttnArgs& a, const bf16* qp, bf16* op, const uint16_t
   float m[16], l[16];
   for (int j = 0; j < 16; ++j) { m[j] = -INFINITY; l[j] = 0.f; }
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
-  for (int64_t k0 = 0; k0 < Lt; k0 += KV_CHUNK) {
-    const int64_t nk = std::min(KV_CHUNK, Lt - k0), nb = (nk + 15) / 16, np = (nk + 31) / 32;
-    _tile_loadd(6, qbuf, D * 2);
-    if (ND32 == 2) _tile_loadd(7, qbuf + 32, D * 2);
-    for (int64_t b = 0; b < nb; b += 4)  // S = Q K^T
-      s_blocks<ND32>(kt + (k0 / 16 + b) * ND32 * 512, std::min<int64_t>(4, nb - b), S + b * 16);
+  _tile_loadd(6, qbuf, D * 2);
+  if (ND32 == 2) _tile_loadd(7, qbuf + 32, D * 2);
+  {
+    const int64_t nb = (std::min(KV_CHUNK, Lt) + 15) / 16;
+    for (int64_t b = 0; b < nb; b += 4)  // the first chunk's S = Q K^T
+      s_blocks<ND32>(kt + b * ND32 * 512, std::min<int64_t>(4, nb - b), S + b * 16);
+  }
+  for (int64_t k0 = 0, ci = 0; k0 < Lt; k0 += KV_CHUNK, ++ci) {
+    const int64_t nk = std::min(KV_CHUNK, Lt - k0), np = (nk + 31) / 32;
+    // the next chunk's S blocks, one after each row's softmax: the tile unit works while the vector
+    // units do the exponentials (a chunk has at most 16 blocks of 16 keys)
+    const int64_t nb_next = (std::max<int64_t>(0, std::min(KV_CHUNK, Lt - k0 - KV_CHUNK)) + 15) / 16;
+    const float* Sc = S + (ci & 1) * 16 * KV_CHUNK;
+    float* Sn = S + ((ci + 1) & 1) * 16 * KV_CHUNK;
+    const uint16_t* kn = kt + (k0 + KV_CHUNK) / 16 * ND32 * 512;
     for (int j = 0; j < 16; ++j) {  // the softmax over this chunk, row by row (lanes = keys)
-      const float* s = S + j * KV_CHUNK;
+      const float* s = Sc + j * KV_CHUNK;
       bf16* p = P + j * KV_CHUNK;
       const int64_t valid = std::max<int64_t>(0, std::min(nk, kvl[j] - k0)), full = valid & ~int64_t(31);
       __m512 vmax = ninf, vmax1 = ninf;
@@ -222,8 +244,13 @@ void amx_attend_tile(const AttnArgs& a, const bf16* qp, bf16* op, const uint16_t
       }
       l[j] = l[j] * alpha + _mm512_reduce_add_ps(sum);
       m[j] = mnew;
+      if (j < nb_next) s_block<ND32>(kn + j * ND32 * 512, Sn + j * 16);
     }
-    pv_blocks<NDB>(P, vp + (k0 / 32) * NDB * 512, np, obuf);  // O += P V
+    pv_blocks<NDB>(P, vp + (k0 / 32) * NDB * 512, np, obuf);  // O += P V (tiles 0..7)
+    if (nb_next) {
+      _tile_loadd(6, qbuf, D * 2);
+      if (ND32 == 2) _tile_loadd(7, qbuf + 32, D * 2);
+    }
   }
   for (int64_t j = 0; j < nq; ++j) {
     const __m512 inv = _mm512_set1_ps(1.f / l[j]);
@@ -294,7 +321,7 @@ std::vector<int64_t> amx_attend_runs(const AttnArgs& a, const bf16* qp, bf16* op
     TileConfig cfg;
     for (int i = 0; i < 8; ++i) { cfg.rows[i] = 16; cfg.colsb[i] = 64; }
     _tile_loadconfig(&cfg);
-    std::vector<float> S(16 * KV_CHUNK), obuf(16 * D);
+    std::vector<float> S(2 * 16 * KV_CHUNK), obuf(16 * D);  // S: this chunk's and the next's
     std::vector<bf16> P(16 * KV_CHUNK), qbuf(16 * D);
     auto first_at = [&](int64_t share) {
       return std::lower_bound(cum.begin(), cum.end(), cum[n] * share / threads) - cum.begin();

@@ -9,11 +9,17 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -2118,6 +2124,72 @@ at::Tensor dot_linear_codes(at::Tensor x, at::Tensor codes, at::Tensor d, at::Te
 // per layer (~150 us of interpreter and dispatch per layer on this machine, ~4.5 ms of a 30-layer
 // SmolLM2 step at any batch size).
 
+// oneDNN's bf16 matmul (x [M, K] contiguous, w reordered by mkldnn::_reorder_linear_weight).
+at::Tensor onednn_call(const at::Tensor& x, const at::Tensor& w) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> s{x, w, c10::IValue(), c10::IValue(std::string("none")),
+                             c10::IValue(c10::List<c10::optional<at::Scalar>>()), c10::IValue(std::string(""))};
+  op.callBoxed(&s);
+  return s.back().toTensor();
+}
+
+// The same product with x's rows split between the threads, each slice one oneDNN call on one
+// thread (oneDNN runs sequentially inside a parallel region). The slices are cut in the calling
+// thread: views of an inference tensor are made where InferenceMode is on.
+at::Tensor onednn_row_split(const at::Tensor& x, const at::Tensor& w) {
+  const int64_t M = x.size(0), T = at::get_num_threads();
+  std::vector<at::Tensor> xs(T), ys(T);
+  for (int64_t t = 0; t < T; ++t) xs[t] = x.narrow(0, M * t / T, M * (t + 1) / T - M * t / T);
+  at::parallel_for(0, T, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) ys[t] = onednn_call(xs[t], w);
+  });
+  return at::cat(ys, 0);
+}
+
+// oneDNN (3.x, torch's) threads some bf16 products poorly: at 2 threads SmolLM2's down_proj
+// (K 1,536, N 576) runs at one thread's speed for 384..1,280 rows and at twice that from 1,344,
+// qkv (N 960) at 768..1,024 rows (docs/benchmarks.md#fig-onednn-rows). Which row counts is
+// oneDNN's blocking choice, not predictable here, so each (K, N, 64-row bucket, threads) tries
+// both ways on its first 8 products (two of each, twice, alternating; each product is a real one,
+// nothing is computed twice) and keeps the row split if its best time beats oneDNN's by over 20 %
+// (the first of each way is left out: it builds oneDNN's primitive). Misthreaded shapes run ~1.7x
+// faster split; where oneDNN threads well it is ~1.1x faster than the split, so the margin keeps
+// the choice away from noise. The two ways accumulate in other orders: bf16 results within one
+// rounding of each other. AXONSERVE_ONEDNN_SPLIT=0 never splits.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
+  static const bool allowed = [] {
+    const char* v = std::getenv("AXONSERVE_ONEDNN_SPLIT");
+    return !(v && (std::string(v) == "0" || std::string(v) == "false" || std::string(v) == "no"));
+  }();
+  constexpr int64_t MIN_SLICE = 128;  // rows per thread below which the split is not tried
+  constexpr int TRIALS = 8;
+  const int64_t M = x.size(0), T = at::get_num_threads();
+  if (!allowed || x.dim() != 2 || T < 2 || M < MIN_SLICE * T || at::in_parallel_region()) return onednn_call(x, w);
+  struct Choice {
+    int seen = 0;
+    double best[2] = {1e30, 1e30};
+    int split = -1;  // -1: still trying
+  };
+  static std::mutex mu;
+  static std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, Choice> choices;
+  int trial, way;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    Choice& c = choices[std::make_tuple(x.size(1), w.size(0), M / 64, T)];
+    if (c.split >= 0) return c.split ? onednn_row_split(x, w) : onednn_call(x, w);
+    trial = c.seen++;
+    way = (trial / 2) % 2;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  at::Tensor y = way ? onednn_row_split(x, w) : onednn_call(x, w);
+  const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::lock_guard<std::mutex> g(mu);
+  Choice& c = choices[std::make_tuple(x.size(1), w.size(0), M / 64, T)];
+  if (trial >= 4 || trial % 2) c.best[way] = std::min(c.best[way], dt);  // not the first of each way
+  if (trial == TRIALS - 1) c.split = c.best[0] > 1.2 * c.best[1];
+  return y;
+}
+
 // One projection as the Python layer runs it (layers/linear.py `linear`, layers/quant.py).
 struct StackLinear {
   enum Kind : int64_t { DENSE = 0, PACKED = 1, INT8 = 2, INT4 = 3, FP8 = 4, PANEL = 5, DOT = 6 };
@@ -2152,14 +2224,6 @@ struct StackLinear {
     return bias.defined() ? y + bias : y;
   }
 
-  static at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
-    static const c10::OperatorHandle op =
-        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-    std::vector<c10::IValue> s{x, w, c10::IValue(), c10::IValue(std::string("none")),
-                               c10::IValue(c10::List<c10::optional<at::Scalar>>()), c10::IValue(std::string(""))};
-    op.callBoxed(&s);
-    return s.back().toTensor();
-  }
 };
 
 struct DecoderStack {
@@ -2274,6 +2338,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_rows", &skinny_rows, "the most rows skinny_bf16 takes for this packed weight");
   m.def("pack_int8_weight", &pack_int8_weight, "int8 [N, K] weight into skinny_int8's layout");
   m.def("skinny_int8", &skinny_int8, "x @ (W * scales)^T for 0..64 bf16 rows, W int8 packed (AMX)");
+  m.def("onednn_linear", &onednn_linear, "x @ W^T through oneDNN's bf16 matmul (W reordered), rows split where that is faster");
   m.def("skinny_bf16", &skinny_bf16, "x @ W^T for 1..skinny_rows rows: AMX tiles, else the dot-product loop");
   m.def("skinny_fp8", &skinny_fp8, "x @ (W * scales)^T, W float8_e4m3fn [N, K] widened in registers");
   m.def("fp8_linear", &fp8_linear, "x @ (W * scales)^T: skinny_fp8 up to FP8_SKINNY_ROWS rows, else dequantized");

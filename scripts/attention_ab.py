@@ -1,18 +1,21 @@
 #!/usr/bin/env python
-"""Decode attention of this checkout's kernels against another build's, interleaved in one process.
+"""Paged attention of this checkout's kernels against another build's, interleaved in one process.
 
-SmolLM2's decode shape (9 query / 3 KV heads of 64 dims, bf16 cache in 16-slot blocks in random
-order), `--rows` sequences of `--context` keys, 30 layers' caches cycled so the keys come from
-DRAM; each round times 30 layers with one build, then with the other, and the per-round ratios
-(this / base) are reported: the machine's hourly swings cancel in a ratio of neighbouring rounds.
+SmolLM2's attention shape (9 query / 3 KV heads of 64 dims, bf16 cache in 16-slot blocks in random
+order), 30 layers' caches cycled so the keys come from DRAM. Decode (default): `--rows` sequences
+of `--context` keys decode one token each. Prefill (`--prefill N`): one N-token prompt in one
+chunk (the AMX prompt kernel). Each round times 30 layers with one build, then with the other,
+and the per-round ratios (this / base) are reported: the machine's hourly swings cancel in a
+ratio of neighbouring rounds.
 The base build is another checkout's compiled module, e.g. the previous commit's:
 
     git worktree add /tmp/base HEAD~1
     BASE=$(cd /tmp && PYTHONPATH=/tmp/base python -c \
         "from axonserve.neuron.ops import native; print(native.kernels().__file__)")
-    PYTHONPATH=. python scripts/decode_attention_ab.py --base "$BASE" --rows 128 --context 160
+    PYTHONPATH=. python scripts/attention_ab.py --base "$BASE" --rows 128 --context 160
+    PYTHONPATH=. python scripts/attention_ab.py --base "$BASE" --prefill 2048
 
-docs/benchmarks.md#fig-decode-attention-bound.
+docs/benchmarks.md#fig-decode-attention-bound, #fig-amx-prefill-overlap.
 """
 
 from __future__ import annotations
@@ -43,21 +46,24 @@ def main() -> None:
     p.add_argument("--base", required=True, help="path of the other build's compiled kernels (.so)")
     p.add_argument("--rows", type=int, default=128)
     p.add_argument("--context", type=int, default=160)
+    p.add_argument("--prefill", type=int, default=0, help="one prompt of this many tokens instead of decodes")
     p.add_argument("--rounds", type=int, default=15)
     args = p.parse_args()
     torch.manual_seed(0)
     mods = {"this": native.for_dtype(torch.bfloat16), "base": load_module(args.base)}
-    per = -(-(args.context + 1) // BS)
-    k_cache = torch.randn(per * args.rows * LAYERS, BS, HKV, D, dtype=torch.bfloat16)
+    seqs, rows = (1, args.prefill) if args.prefill else (args.rows, args.rows)
+    query_lens, context_lens = ([rows], [0]) if args.prefill else ([1] * rows, [args.context] * rows)
+    per = -(-(context_lens[0] + query_lens[0]) // BS)
+    k_cache = torch.randn(per * seqs * LAYERS, BS, HKV, D, dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
-    q = torch.randn(args.rows, HQ, D, dtype=torch.bfloat16)
-    k, v = torch.randn(args.rows, HKV, D, dtype=torch.bfloat16), torch.randn(args.rows, HKV, D, dtype=torch.bfloat16)
+    q = torch.randn(rows, HQ, D, dtype=torch.bfloat16)
+    k, v = torch.randn(rows, HKV, D, dtype=torch.bfloat16), torch.randn(rows, HKV, D, dtype=torch.bfloat16)
     tables = []
     for layer in range(LAYERS):
-        perm = (torch.randperm(per * args.rows) + layer * per * args.rows).tolist()
-        tables.append([perm[i * per : (i + 1) * per] for i in range(args.rows)])
+        perm = (torch.randperm(per * seqs) + layer * per * seqs).tolist()
+        tables.append([perm[i * per : (i + 1) * per] for i in range(seqs)])
     metas = {
-        name: [AttentionMetadata.build([1] * args.rows, [args.context] * args.rows, t, BS, native=m) for t in tables]
+        name: [AttentionMetadata.build(query_lens, context_lens, t, BS, native=m, native_chunks=True) for t in tables]
         for name, m in mods.items()
     }
     outs = [paged_attention(q, k, v, k_cache, v_cache, metas[n][0], D**-0.5, False).float() for n in mods]
@@ -69,7 +75,8 @@ def main() -> None:
             for meta in metas[name]:
                 paged_attention(q, k, v, k_cache, v_cache, meta, D**-0.5, False)
             ms[name].append((time.perf_counter() - t) / LAYERS * 1e3)
-    print(f"{args.rows} rows x {args.context + 1} keys, {torch.get_num_threads()} threads, {args.rounds} rounds")
+    shape = f"one {rows}-token prompt" if args.prefill else f"{rows} rows x {args.context + 1} keys"
+    print(f"{shape}, {torch.get_num_threads()} threads, {args.rounds} rounds")
     for name, xs in ms.items():
         print(f"  {name}: {statistics.median(xs):.3f} ms a layer [{min(xs):.3f}, {max(xs):.3f}]")
     ratios = [a / b for a, b in zip(ms["this"], ms["base"])]
