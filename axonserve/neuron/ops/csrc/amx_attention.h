@@ -218,7 +218,7 @@ void amx_attend_tile(const AttnArgs& a, const bf16* qp, bf16* op, const uint16_t
         vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(ninf, mk, s + z));
       }
       const float mnew = std::max(m[j], _mm512_reduce_max_ps(vmax) * c);
-      const float alpha = m[j] == -INFINITY ? 0.f : std::exp2(m[j] - mnew);
+      const float alpha = m[j] == -INFINITY ? 0.f : m[j] == mnew ? 1.f : std::exp2(m[j] - mnew);  // (exp2(0) is 1)
       if (alpha != 1.f && k0 > 0)  // this row's max grew: rescale its output so far
         for (int d = 0; d < D; d += 16)
           _mm512_storeu_ps(obuf + j * D + d, _mm512_mul_ps(_mm512_loadu_ps(obuf + j * D + d), _mm512_set1_ps(alpha)));
