@@ -63,7 +63,10 @@ def main() -> None:
         perm = (torch.randperm(per * seqs) + layer * per * seqs).tolist()
         tables.append([perm[i * per : (i + 1) * per] for i in range(seqs)])
     metas = {
-        name: [AttentionMetadata.build(query_lens, context_lens, t, BS, native=m, native_chunks=True) for t in tables]
+        name: [
+            AttentionMetadata.build(query_lens, context_lens, t, BS, native=m, native_chunks=bool(args.prefill))
+            for t in tables
+        ]
         for name, m in mods.items()
     }
     outs = [paged_attention(q, k, v, k_cache, v_cache, metas[n][0], D**-0.5, False).float() for n in mods]

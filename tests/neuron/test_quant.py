@@ -119,30 +119,34 @@ def test_bf16_packed_weights_give_the_same_products(rows, n):
         assert torch.equal(got, torch.nn.functional.linear(x, w))
 
 
-def test_onednn_products_split_by_rows_round_once():
-    """Above 128 rows a thread, a bf16 product of a new (K, N, row bucket) alternates between
-    oneDNN's own threading and the rows split between the threads (two calls each, twice) before
-    keeping the faster (cpu_kernels.cpp `onednn_linear`): all eight products, and those after,
-    are a float32 product rounded once to bf16, the split's slices in their places."""
+@pytest.mark.parametrize("mode", ["force", "auto"])
+def test_onednn_products_split_by_rows_round_once(mode, monkeypatch):
+    """Above 128 rows a thread, bf16 products may run with the rows split between the threads,
+    each slice one single-threaded oneDNN call (cpu_kernels.cpp `onednn_linear`): always with
+    AXONSERVE_ONEDNN_SPLIT=force; by default the first product of each (K, N, 64-row bucket) runs
+    both ways and the bucket keeps the faster. Every product is a float32 product rounded once to
+    bf16, the split's slices in their places (reversing them fails this test)."""
     from axonserve.neuron.layers.quant import PackedWeight, can_pack
     from axonserve.neuron.ops import native
 
     if not can_pack(torch.bfloat16) or native.kernels() is None:
         pytest.skip("no oneDNN bf16 path or no native kernels on this CPU")
+    monkeypatch.setenv("AXONSERVE_ONEDNN_SPLIT", mode)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         torch.manual_seed(2)
         w = torch.randn(80, 96).bfloat16()
         pw = PackedWeight(w)
-        for call in range(10):
-            x = torch.randn(300 + call % 3, 96).bfloat16()  # one 64-row bucket, slices of uneven length
+        for call in range(6):
+            rows = 257 + 64 * (call // 2) + call % 2  # a new bucket every other call; odd row counts
+            with torch.inference_mode():  # as the runner's steps run: the slices are views of inference tensors
+                x = torch.randn(rows, 96).bfloat16()
+                got = pw.matmul(x)
             exact = x.double() @ w.double().T
             acc = 96 * 2**-24 * (x.double().abs() @ w.double().abs().T)  # float32 accumulation's bound
             ulp = (exact.abs() + acc).clamp_min(1e-30).log2().floor().exp2() * 2**-7
-            with torch.inference_mode():  # as the runner's steps run (the slices are its views)
-                got = pw.matmul(x).double()
-            assert ((got - exact).abs() <= ulp * 0.5 + acc).all(), call
+            assert ((got.double() - exact).abs() <= ulp * 0.5 + acc).all(), call
     finally:
         torch.set_num_threads(threads)
 

@@ -99,8 +99,8 @@ class PackedWeight:
     """A bf16 weight reordered once into oneDNN's blocked layout (what inductor's CPU freezing
     does): a plain bf16 gemm re-packs the weight on every call, which made a batch-32 SmolLM2
     step's matmuls markedly slower (same products, bit for bit; docs/benchmarks.md#fig-neuron-quant).
-    Products of 256+ rows may run with the rows split between the threads where oneDNN threads
-    the shape poorly (`onednn_matmul`): within one bf16 rounding of oneDNN's own.
+    Products of 128+ rows a thread may run with the rows split between the threads where oneDNN
+    threads the shape poorly (`onednn_matmul`): within one bf16 rounding of oneDNN's own.
 
     With AVX512-BF16 a second copy in the native skinny layout serves calls of up to
     `skinny_rows` rows (64 with AMX: a decode batch, a verification; 3 with AVX512-BF16 only):

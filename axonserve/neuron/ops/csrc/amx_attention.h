@@ -11,8 +11,11 @@
 // SDPA does for bf16 inputs; scores, max, sums and O stay float32.
 //
 // Tiles, per chunk: S = Q K^T with Q in tiles 6 (dims 0..31) and 7 (dims 32..63) and up to 4 key
-// blocks' accumulators in tiles 0..3; then O += P V with O (16 rows x 16 dims per tile) in tiles
-// 0..D/16-1, kept in a float32 buffer between chunks (where a row's rescale happens).
+// blocks' accumulators in tiles 0..3 (the first chunk), or one block after each row's softmax of
+// the chunk before (tile 0, K in 4 / 5: the tile unit multiplies while the vector units do the
+// exponentials; two S buffers); then O += P V with O (16 rows x 16 dims per tile) in tiles
+// 0..D/16-1, kept in a float32 buffer between chunks (where a row's rescale happens). P V uses all
+// eight tiles, so Q is reloaded after it when another chunk follows.
 
 constexpr int64_t KV_CHUNK = 256;  // keys per softmax chunk (multiple of 32)
 

@@ -2149,45 +2149,55 @@ at::Tensor onednn_row_split(const at::Tensor& x, const at::Tensor& w) {
 // oneDNN (3.x, torch's) threads some bf16 products poorly: at 2 threads SmolLM2's down_proj
 // (K 1,536, N 576) runs at one thread's speed for 384..1,280 rows and at twice that from 1,344,
 // qkv (N 960) at 768..1,024 rows (docs/benchmarks.md#fig-onednn-rows). Which row counts is
-// oneDNN's blocking choice, not predictable here, so each (K, N, 64-row bucket, threads) tries
-// both ways on its first 8 products (two of each, twice, alternating; each product is a real one,
-// nothing is computed twice) and keeps the row split if its best time beats oneDNN's by over 20 %
-// (the first of each way is left out: it builds oneDNN's primitive). Misthreaded shapes run ~1.7x
-// faster split; where oneDNN threads well it is ~1.1x faster than the split, so the margin keeps
-// the choice away from noise. The two ways accumulate in other orders: bf16 results within one
-// rounding of each other. AXONSERVE_ONEDNN_SPLIT=0 never splits.
+// oneDNN's blocking choice, not predictable here, so the first product of each (K, N, 64-row
+// bucket, threads) measures: it runs once each way untimed (each builds its oneDNN primitives for
+// these row counts, ~3x a product's time), then three times each way alternating; where the
+// split's best time beats oneDNN's by over 30 %, the bucket's next product measures again (three
+// each), and the bucket keeps the rows split between the threads only if that agrees (misthreaded
+// shapes ran 1.4-1.7x faster split; where oneDNN threads well it is ~1.1-1.4x faster than the
+// split; one measurement at a 20 % margin let this machine's noise make 2,048-row buckets pick the
+// split). The measured products are computed eight (and six) times; later ones once. The two
+// ways accumulate in other orders: bf16 results within one rounding of each other.
+// AXONSERVE_ONEDNN_SPLIT=0 never splits, =force always does (where it may: tests, A/B).
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
-  static const bool allowed = [] {
-    const char* v = std::getenv("AXONSERVE_ONEDNN_SPLIT");
-    return !(v && (std::string(v) == "0" || std::string(v) == "false" || std::string(v) == "no"));
-  }();
   constexpr int64_t MIN_SLICE = 128;  // rows per thread below which the split is not tried
-  constexpr int TRIALS = 8;
   const int64_t M = x.size(0), T = at::get_num_threads();
-  if (!allowed || x.dim() != 2 || T < 2 || M < MIN_SLICE * T || at::in_parallel_region()) return onednn_call(x, w);
-  struct Choice {
-    int seen = 0;
-    double best[2] = {1e30, 1e30};
-    int split = -1;  // -1: still trying
-  };
+  const char* env = std::getenv("AXONSERVE_ONEDNN_SPLIT");  // (read per call: a product takes ms)
+  const std::string mode = env ? env : "";
+  if (mode == "0" || mode == "false" || mode == "no" || x.dim() != 2 || T < 2 || M < MIN_SLICE * T ||
+      at::in_parallel_region())
+    return onednn_call(x, w);
+  if (mode == "force") return onednn_row_split(x, w);
   static std::mutex mu;
-  static std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, Choice> choices;
-  int trial, way;
+  enum Way : int { UNKNOWN = -1, ONEDNN = 0, SPLIT = 1, SPLIT_ONCE = 2 };  // SPLIT_ONCE: to be confirmed
+  static std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, int> ways;
+  const auto key = std::make_tuple(x.size(1), w.size(0), M / 64, T);
+  int known;
   {
     std::lock_guard<std::mutex> g(mu);
-    Choice& c = choices[std::make_tuple(x.size(1), w.size(0), M / 64, T)];
-    if (c.split >= 0) return c.split ? onednn_row_split(x, w) : onednn_call(x, w);
-    trial = c.seen++;
-    way = (trial / 2) % 2;
+    const auto it = ways.find(key);
+    known = it == ways.end() ? UNKNOWN : it->second;
   }
-  const auto t0 = std::chrono::steady_clock::now();
-  at::Tensor y = way ? onednn_row_split(x, w) : onednn_call(x, w);
-  const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::lock_guard<std::mutex> g(mu);
-  Choice& c = choices[std::make_tuple(x.size(1), w.size(0), M / 64, T)];
-  if (trial >= 4 || trial % 2) c.best[way] = std::min(c.best[way], dt);  // not the first of each way
-  if (trial == TRIALS - 1) c.split = c.best[0] > 1.2 * c.best[1];
-  return y;
+  if (known == ONEDNN || known == SPLIT) return known == SPLIT ? onednn_row_split(x, w) : onednn_call(x, w);
+  auto run = [&](int way) { return way ? onednn_row_split(x, w) : onednn_call(x, w); };
+  if (known == UNKNOWN) {  // this bucket's primitives
+    run(0);
+    run(1);
+  }
+  double best[2] = {1e30, 1e30};
+  at::Tensor y[2];
+  for (int rep = 0; rep < 3; ++rep)
+    for (int way = 0; way < 2; ++way) {
+      const auto t0 = std::chrono::steady_clock::now();
+      y[way] = run(way);
+      best[way] = std::min(best[way], std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+  const bool split = best[0] > 1.3 * best[1];
+  {
+    std::lock_guard<std::mutex> g(mu);
+    ways[key] = !split ? ONEDNN : known == SPLIT_ONCE ? SPLIT : SPLIT_ONCE;
+  }
+  return y[split];
 }
 
 // One projection as the Python layer runs it (layers/linear.py `linear`, layers/quant.py).
@@ -2338,7 +2348,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_rows", &skinny_rows, "the most rows skinny_bf16 takes for this packed weight");
   m.def("pack_int8_weight", &pack_int8_weight, "int8 [N, K] weight into skinny_int8's layout");
   m.def("skinny_int8", &skinny_int8, "x @ (W * scales)^T for 0..64 bf16 rows, W int8 packed (AMX)");
-  m.def("onednn_linear", &onednn_linear, "x @ W^T through oneDNN's bf16 matmul (W reordered), rows split where that is faster");
+  m.def("onednn_linear", &onednn_linear, "x @ W^T through oneDNN's bf16 matmul (W reordered), rows split where that is faster",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("skinny_bf16", &skinny_bf16, "x @ W^T for 1..skinny_rows rows: AMX tiles, else the dot-product loop");
   m.def("skinny_fp8", &skinny_fp8, "x @ (W * scales)^T, W float8_e4m3fn [N, K] widened in registers");
   m.def("fp8_linear", &fp8_linear, "x @ (W * scales)^T: skinny_fp8 up to FP8_SKINNY_ROWS rows, else dequantized");
