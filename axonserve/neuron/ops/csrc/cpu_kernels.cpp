@@ -2161,6 +2161,10 @@ at::Tensor onednn_row_split(const at::Tensor& x, const at::Tensor& w) {
 // AXONSERVE_ONEDNN_SPLIT=0 never splits, =force always does (where it may: tests, A/B).
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
   constexpr int64_t MIN_SLICE = 128;  // rows per thread below which the split is not tried
+  // Products above this keep oneDNN's own threading unmeasured: the misthreaded ones seen are up to
+  // 2.3 GFLOP, and measuring computes a product eight times (a vocabulary head's 50-100 ms ones,
+  // which oneDNN threads well: 1.8-2x at 2 threads from 256 rows).
+  constexpr double MAX_MEASURED_FLOP = 4e9;
   const int64_t M = x.size(0), T = at::get_num_threads();
   const char* env = std::getenv("AXONSERVE_ONEDNN_SPLIT");  // (read per call: a product takes ms)
   const std::string mode = env ? env : "";
@@ -2168,6 +2172,7 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
       at::in_parallel_region())
     return onednn_call(x, w);
   if (mode == "force") return onednn_row_split(x, w);
+  if (2.0 * M * x.size(1) * w.size(0) > MAX_MEASURED_FLOP) return onednn_call(x, w);
   static std::mutex mu;
   enum Way : int { UNKNOWN = -1, ONEDNN = 0, SPLIT = 1, SPLIT_ONCE = 2 };  // SPLIT_ONCE: to be confirmed
   static std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, int> ways;
