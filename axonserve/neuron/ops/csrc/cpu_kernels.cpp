@@ -2166,11 +2166,10 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
   // which oneDNN threads well: 1.8-2x at 2 threads from 256 rows).
   constexpr double MAX_MEASURED_FLOP = 4e9;
   const int64_t M = x.size(0), T = at::get_num_threads();
+  if (x.dim() != 2 || T < 2 || M < MIN_SLICE * T || at::in_parallel_region()) return onednn_call(x, w);
   const char* env = std::getenv("AXONSERVE_ONEDNN_SPLIT");  // (read per call: a product takes ms)
   const std::string mode = env ? env : "";
-  if (mode == "0" || mode == "false" || mode == "no" || x.dim() != 2 || T < 2 || M < MIN_SLICE * T ||
-      at::in_parallel_region())
-    return onednn_call(x, w);
+  if (mode == "0" || mode == "false" || mode == "no") return onednn_call(x, w);
   if (mode == "force") return onednn_row_split(x, w);
   if (2.0 * M * x.size(1) * w.size(0) > MAX_MEASURED_FLOP) return onednn_call(x, w);
   static std::mutex mu;
@@ -2183,11 +2182,11 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
     const auto it = ways.find(key);
     known = it == ways.end() ? UNKNOWN : it->second;
   }
-  if (known == ONEDNN || known == SPLIT) return known == SPLIT ? onednn_row_split(x, w) : onednn_call(x, w);
-  auto run = [&](int way) { return way ? onednn_row_split(x, w) : onednn_call(x, w); };
+  auto run = [&](int way) { return way == SPLIT ? onednn_row_split(x, w) : onednn_call(x, w); };
+  if (known == ONEDNN || known == SPLIT) return run(known);
   if (known == UNKNOWN) {  // this bucket's primitives
-    run(0);
-    run(1);
+    run(ONEDNN);
+    run(SPLIT);
   }
   double best[2] = {1e30, 1e30};
   at::Tensor y[2];
@@ -2238,7 +2237,6 @@ struct StackLinear {
     }
     return bias.defined() ? y + bias : y;
   }
-
 };
 
 struct DecoderStack {
