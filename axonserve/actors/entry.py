@@ -29,8 +29,10 @@ def quiet_openmp(environ: dict | os._Environ = os.environ) -> None:
     policy or a spin count. libgomp's default spins: a team whose member lost its core to another
     process (the frontend, the scheduler, a load generator: every core is shared on a small box)
     spins away whole time slices at each of a step's hundreds of parallel regions. A 32-row
-    decode step ran 5-8x slower beside one busy process (docs/benchmarks.md#fig-omp-wait). Read
-    when libgomp loads, with torch: set before any actor imports it."""
+    decode step ran 5-8x slower beside one busy process (docs/benchmarks.md#fig-omp-wait). The
+    native kernels' loops run on their own pool (ops/csrc/thread_pool.h), which spins briefly
+    and does not wait for a member that lost its core; OpenMP is left with oneDNN's and torch's
+    ops. Read when libgomp loads, with torch: set before any actor imports it."""
     if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
         environ["OMP_WAIT_POLICY"] = "PASSIVE"
 

@@ -300,7 +300,7 @@ std::vector<int64_t> amx_attend_runs(const AttnArgs& a, const bf16* qp, bf16* op
     const int64_t L = a.kvl[runs[i].row0 + runs[i].n - 1];
     return kt_of(i, h) + ((L + 15) / 16) * ND32 * 512;
   };
-  at::parallel_for(0, nr * a.Hkv, 1, [&](int64_t b, int64_t e) {
+  pool_for(0, nr * a.Hkv, 1, [&](int64_t b, int64_t e) {
     std::vector<int64_t> off;
     for (int64_t it = b; it < e; ++it) {
       const int64_t i = it / a.Hkv, h = it % a.Hkv;
@@ -320,17 +320,18 @@ std::vector<int64_t> amx_attend_runs(const AttnArgs& a, const bf16* qp, bf16* op
         cum.push_back(cum.back() + a.kvl[row0 + nq - 1] + 16);
       }
   const int64_t n = items.size(), threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+  const int64_t parts = std::min<int64_t>(4 * threads, n);  // claimed as threads come free (thread_pool.h)
+  pool_for(0, parts, 1, [&](int64_t t0, int64_t t1) {
     TileConfig cfg;
     for (int i = 0; i < 8; ++i) { cfg.rows[i] = 16; cfg.colsb[i] = 64; }
     _tile_loadconfig(&cfg);
     std::vector<float> S(2 * 16 * KV_CHUNK), obuf(16 * D);  // S: this chunk's and the next's
     std::vector<bf16> P(16 * KV_CHUNK), qbuf(16 * D);
     auto first_at = [&](int64_t share) {
-      return std::lower_bound(cum.begin(), cum.end(), cum[n] * share / threads) - cum.begin();
+      return std::lower_bound(cum.begin(), cum.end(), cum[n] * share / parts) - cum.begin();
     };
     for (int64_t t = t0; t < t1; ++t)
-      for (int64_t i = first_at(t), end = t + 1 == threads ? n : first_at(t + 1); i < end; ++i) {
+      for (int64_t i = first_at(t), end = t + 1 == parts ? n : first_at(t + 1); i < end; ++i) {
         const Item& it = items[i];
         const int64_t g = it.h / a.G;
         amx_attend_tile<ND32>(a, qp, op, kt_of(it.run, g), vp_of(it.run, g), it.row0, it.nq, it.h, S.data(),

@@ -23,6 +23,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "thread_pool.h"
+
 #if defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -595,12 +597,14 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
     run(0, n);
     return;
   }
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+  // four parts a thread, claimed as threads come free (thread_pool.h)
+  const int64_t parts = std::min<int64_t>(4 * threads, n);
+  pool_for(0, parts, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       auto first_at = [&](int64_t share) {
-        return std::lower_bound(cum.begin(), cum.end(), cum[n] * share / threads) - cum.begin();
+        return std::lower_bound(cum.begin(), cum.end(), cum[n] * share / parts) - cum.begin();
       };
-      run(first_at(t), t + 1 == threads ? n : first_at(t + 1));
+      run(first_at(t), t + 1 == parts ? n : first_at(t + 1));
     }
   });
 }
@@ -710,7 +714,7 @@ void rotary_kv_impl(at::Tensor& qkv, int64_t Hq, int64_t Hkv, const at::Tensor& 
   const int64_t* sl = slots.data_ptr<int64_t>();
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
-  at::parallel_for(0, Tn, serial_grain((Hq + Hkv) * D, 16), [&](int64_t begin, int64_t end) {
+  pool_for(0, Tn, serial_grain((Hq + Hkv) * D, 16), [&](int64_t begin, int64_t end) {
     std::vector<float> row(D);
     for (int64_t t = begin; t < end; ++t) {
       const T* c = ct + pos[t] * D;
@@ -786,7 +790,7 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, at::Tensor* residual, c
   T* rp = residual ? residual->data_ptr<T>() : nullptr;
   const T* wp = w.data_ptr<T>();
   const bool is_f32 = std::is_same<T, float>::value;
-  at::parallel_for(0, Tn, serial_grain(H, 8), [&](int64_t begin, int64_t end) {
+  pool_for(0, Tn, serial_grain(H, 8), [&](int64_t begin, int64_t end) {
     std::vector<float> y(H);
     for (int64_t t = begin; t < end; ++t) {
       const T* xr = xp + t * H;
@@ -852,7 +856,7 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gu) {
   const int64_t Tn = gu.size(0), I = gu.size(1) / 2;
   const T* g = gu.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, Tn, serial_grain(I, 4), [&](int64_t begin, int64_t end) {
+  pool_for(0, Tn, serial_grain(I, 4), [&](int64_t begin, int64_t end) {
     std::vector<float> e(I);
     for (int64_t t = begin; t < end; ++t) {
       const T* gr = g + t * 2 * I;
@@ -912,7 +916,7 @@ void argmax_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t N = x.size(0), V = x.size(1), rs = x.stride(0);
   const T* xp = x.data_ptr<T>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, N, serial_grain(V, 1), [&](int64_t begin, int64_t end) {
+  pool_for(0, N, serial_grain(V, 1), [&](int64_t begin, int64_t end) {
     float m;
     for (int64_t i = begin; i < end; ++i) op[i] = row_argmax(xp + i * rs, V, &m);
   });
@@ -937,7 +941,7 @@ template <typename T>
 void topk_logprobs_impl(const at::Tensor& x, int64_t k, float* vals, int64_t* idx) {
   const int64_t N = x.size(0), V = x.size(1), rs = x.stride(0);
   const T* xp = x.data_ptr<T>();
-  at::parallel_for(0, N, serial_grain(V, 1), [&](int64_t begin, int64_t end) {
+  pool_for(0, N, serial_grain(V, 1), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* row = xp + r * rs;
       float* tv = vals + r * k;
@@ -1014,7 +1018,7 @@ void sample_impl(const at::Tensor& x, const float* inv_t, const double* u, int64
   const int64_t N = x.size(0), V = x.size(1), rs = x.stride(0);
   const T* xp = x.data_ptr<T>();
   const int64_t nb = (V + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
-  at::parallel_for(0, N, serial_grain(V, 1), [&](int64_t begin, int64_t end) {
+  pool_for(0, N, serial_grain(V, 1), [&](int64_t begin, int64_t end) {
     std::vector<double> sums(nb);
     for (int64_t i = begin; i < end; ++i) {
       const T* row = xp + i * rs;
@@ -1098,7 +1102,7 @@ void gemv_rows(const at::Tensor& x, const at::Tensor& wp, at::Tensor& out) {
   bf16* op = out.data_ptr<bf16>();
   const int64_t xs = x.stride(0), os = out.stride(0);
   // ~16k weight pairs per task: a small matrix stays on the calling thread
-  at::parallel_for(0, NB, std::max<int64_t>(1, 16384 / (K2 * 16)), [&](int64_t begin, int64_t end) {
+  pool_for(0, NB, std::max<int64_t>(1, 16384 / (K2 * 16)), [&](int64_t begin, int64_t end) {
     for (int64_t nb = begin; nb < end; ++nb) gemv_block<MR>(xp, xs, w + nb * K2 * 32, op + nb * 16, os, K2);
   });
 }
@@ -1306,7 +1310,7 @@ void amx_pass(const at::Tensor& x, const W* w, const float* scales, int64_t NB, 
   const int64_t group = M <= 16 ? 4 : 2;  // column blocks per tile pass
   const int64_t groups = (NB + group - 1) / group;
   // ~16k weight pairs per task, as gemv_rows: a small matrix stays on the calling thread
-  at::parallel_for(0, groups, std::max<int64_t>(1, 16384 / (K2 * 16 * group)), [&](int64_t b, int64_t e) {
+  pool_for(0, groups, std::max<int64_t>(1, 16384 / (K2 * 16 * group)), [&](int64_t b, int64_t e) {
     const int64_t nb0 = b * group, nb1 = std::min(NB, e * group);
     if (M <= 16) amx_rows16(xp, xs, w, scales, K2, M, op, os, nb0, nb1);
     else amx_rows32(xp, xs, w, scales, K2, M, op, os, nb0, nb1);
@@ -1516,7 +1520,7 @@ at::Tensor skinny_fp8(at::Tensor x, at::Tensor w, at::Tensor scales) {
   by_dtype(x.scalar_type(), "skinny_fp8", [&](auto tag) {
     using T = decltype(tag);
     T* op = out.data_ptr<T>();
-    at::parallel_for(0, N, serial_grain(K * std::min<int64_t>(M, 4), 16), [&](int64_t n0, int64_t n1) {
+    pool_for(0, N, serial_grain(K * std::min<int64_t>(M, 4), 16), [&](int64_t n0, int64_t n1) {
       float dots[4];
       for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* wr = wp + n * K;
@@ -1683,7 +1687,7 @@ void panel_few_rows(const float* x, int64_t M, int64_t K, const Src& src, int64_
   using W = typename Src::Elem;
   const int64_t N = NP * 16, nb = M == 1 ? 6 : M == 2 ? 3 : 2;
   const int64_t chunks = (NP + nb - 1) / nb;
-  at::parallel_for(0, chunks, serial_grain(K * 16 * nb, 1), [&](int64_t c0, int64_t c1) {
+  pool_for(0, chunks, serial_grain(K * 16 * nb, 1), [&](int64_t c0, int64_t c1) {
     std::vector<float> buf(src.buffer_floats(nb));
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t p = c * nb, left = std::min(nb, NP - p);
@@ -1710,7 +1714,7 @@ void panel_many_rows(const float* x, int64_t M, int64_t K, const Src& src, int64
   const int64_t N = NP * 16;
   for (int64_t m0 = 0; m0 < M; m0 += PANEL_ROW_BLOCK) {
     const int64_t MB = std::min(PANEL_ROW_BLOCK, M - m0), groups = (MB + 5) / 6;
-    at::parallel_for(0, NP, serial_grain(K * 16 * MB, 1), [&](int64_t p0, int64_t p1) {
+    pool_for(0, NP, serial_grain(K * 16 * MB, 1), [&](int64_t p0, int64_t p1) {
       std::vector<float> buf(src.buffer_floats(1));
       for (int64_t p = p0; p < p1; ++p) {
         const auto* wp = src.get(p, 1, buf.data());
@@ -1777,7 +1781,7 @@ void code_rows_1(int64_t r, const float* x, int64_t K, const CodePanels& src, in
 template <int BITS>
 void code_few_rows(const float* x, int64_t M, const CodePanels& src, int64_t NP, float* out) {
   const int64_t K = src.K, N = NP * 16, nb = M == 1 ? 2 : 1, groups = (M + 3) / 4;
-  at::parallel_for(0, (NP + nb - 1) / nb, serial_grain(K * 16 * nb, 1), [&](int64_t c0, int64_t c1) {
+  pool_for(0, (NP + nb - 1) / nb, serial_grain(K * 16 * nb, 1), [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t p = c * nb;
       if (M == 1 && p + 2 <= NP) {
@@ -1906,7 +1910,7 @@ DotActs quantize_acts(const float* x, int64_t M, int64_t K) {
   const int64_t G = K / 32;
   DotActs a{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
   // a block takes ~10 ns: below ~2,000 blocks (a 32-row step's inputs) waking the team costs more
-  at::parallel_for(0, M * G, serial_grain(16, 64), [&](int64_t b0, int64_t b1) {
+  pool_for(0, M * G, serial_grain(16, 64), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const float* p = x + b * 32;  // blocks are contiguous: row b / G, block b % G
       const __m256 sign = _mm256_set1_ps(-0.f), inf = _mm256_set1_ps(INFINITY);
@@ -2057,7 +2061,7 @@ void dot_matmul(const DotActs& a, int64_t M, int64_t K, const uint8_t* codes, co
   const int64_t N = NP * 16;
   if (M == 1) {
     constexpr int64_t nb = 4;
-    at::parallel_for(0, (NP + nb - 1) / nb, serial_grain(K * 16 * nb, 1), [&](int64_t c0, int64_t c1) {
+    pool_for(0, (NP + nb - 1) / nb, serial_grain(K * 16 * nb, 1), [&](int64_t c0, int64_t c1) {
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t p = c * nb;
         if (p + nb <= NP) dot_tile<1, nb, BITS>(a, 0, codes, d, m, K, p, out + p * 16, N);
@@ -2068,7 +2072,7 @@ void dot_matmul(const DotActs& a, int64_t M, int64_t K, const uint8_t* codes, co
   }
   for (int64_t m0 = 0; m0 < M; m0 += PANEL_ROW_BLOCK) {
     const int64_t MB = std::min(PANEL_ROW_BLOCK, M - m0), groups = (MB + 3) / 4;
-    at::parallel_for(0, NP, serial_grain(K * 16 * MB, 1), [&](int64_t p0, int64_t p1) {
+    pool_for(0, NP, serial_grain(K * 16 * MB, 1), [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         int64_t r0 = m0;
         for (int64_t g = 0; g < groups; ++g) {
@@ -2126,6 +2130,7 @@ at::Tensor dot_linear_codes(at::Tensor x, at::Tensor codes, at::Tensor d, at::Te
 
 // oneDNN's bf16 matmul (x [M, K] contiguous, w reordered by mkldnn::_reorder_linear_weight).
 at::Tensor onednn_call(const at::Tensor& x, const at::Tensor& w) {
+  pool_park();  // oneDNN runs on OpenMP's team
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   std::vector<c10::IValue> s{x, w, c10::IValue(), c10::IValue(std::string("none")),
                              c10::IValue(c10::List<c10::optional<at::Scalar>>()), c10::IValue(std::string(""))};
@@ -2218,6 +2223,7 @@ struct StackLinear {
 
   at::Tensor operator()(const at::Tensor& x) const {
     at::Tensor y;
+    if (kind == DENSE || kind == INT8 || kind == INT4) pool_park();  // torch's ops: OpenMP's team
     switch (kind) {
       case DENSE:
         if (x.size(0) == 1 && x.scalar_type() == at::kBFloat16)  // linear(): one bf16 row through mv
@@ -2345,6 +2351,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "row-wise argmax, first index of a tie");
   m.def("topk_logprobs", &topk_logprobs, "per row: the k largest logits' log-softmax values and indices");
   m.def("sample_rows", &sample_rows, "one inverse-CDF draw per row from softmax(x * inv_temp); inv_temp <= 0: argmax");
+  m.def("set_thread_pool", [](bool on) { axpool_enable(on); },
+        "the kernels' loops on their own pool (thread_pool.h; default on, AXONSERVE_POOL=0 off) or on at::parallel_for");
   m.def("has_bf16_gemv", &has_bf16_gemv, "gemv_bf16 is compiled in (AVX512-BF16)");
   m.def("pack_gemv_weight", &pack_gemv_weight, "bf16 [N, K] weight into gemv_bf16's layout");
   m.def("gemv_bf16", &gemv_bf16, "x @ W^T for 1..8 bf16 rows against a packed weight (dot-product loop)");
