@@ -115,3 +115,47 @@ def test_models_with_python_only_parts_keep_the_modules(model_dirs, arch, monkey
     model = load_model(ModelConfig.from_dir(model_dirs[arch]), torch.float32, progress=False)
     _, _, used = _run(model, torch.float32, monkeypatch, on=True)
     assert not used and model.model._stack is not None and model.model._stack[1] is None
+
+
+def test_small_steps_run_on_the_kernels_pool(tmp_path, monkeypatch):
+    """SmolLM2's widths (2 layers), bf16 packed: a step whose linears are all the kernels' own
+    (decodes on the skinny AMX / dot-product path) runs its loops on the kernels' pool
+    (csrc/thread_pool.h), with the same bits as on OpenMP; a step of more rows than the skinny
+    kernels take (its linears on oneDNN) stays on OpenMP."""
+    K = native.kernels()
+    wp = K.pack_gemv_weight(torch.zeros(16, 64, dtype=torch.bfloat16)) if K.has_bf16_gemv() else None
+    if wp is None or K.skinny_rows(wp) == 0:
+        pytest.skip("no skinny bf16 kernels on this CPU: every step's linears are oneDNN's")
+    widths = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    model = load_model(
+        ModelConfig.from_dir(make_tiny_model(str(tmp_path), "LlamaForCausalLM", **widths)),
+        torch.bfloat16,
+        progress=False,
+        pack=True,
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        K.set_thread_pool(False)
+        want, want_caches, _ = _run(model, torch.bfloat16, monkeypatch, on=True)
+        K.set_thread_pool(True)
+        before = K.pool_loops()
+        got, got_caches, used = _run(model, torch.bfloat16, monkeypatch, on=True)
+        assert used and K.pool_loops() > before
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
+        # 65+ rows: the linears go to oneDNN, the step's loops to OpenMP
+        monkeypatch.setenv("AXONSERVE_FUSED", "1")
+        cfg = model.config
+        caches = [
+            (torch.zeros(64, BS, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16),) * 2
+            for _ in range(cfg.num_layers)
+        ]
+        meta = AttentionMetadata.build([1] * 80, [5] * 80, [[i % 64] for i in range(80)], BS, native=K)
+        before = K.pool_loops()
+        with torch.inference_mode():
+            model(torch.zeros(80, dtype=torch.long), meta.positions, caches, meta)
+        assert fused.takes(meta, torch.zeros(80, 1)) and K.pool_loops() == before
+    finally:
+        torch.set_num_threads(threads)
+        K.set_thread_pool(True)

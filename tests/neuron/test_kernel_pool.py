@@ -1,6 +1,7 @@
 """The kernels' own thread pool (csrc/thread_pool.h): loops claimed chunk by chunk give the same bits
 as the same loops on OpenMP (at::parallel_for), with more threads than cores, from two Python
-threads at once, and over many loops in a row (a chunk lost or run twice would show)."""
+threads at once, and over many loops in a row (a chunk lost or run twice would show). The decoder
+stack puts a step on the pool when all of its linears are the kernels' own (`pool_scope` here)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ pytestmark = pytest.mark.skipif(K is None, reason="native kernels unavailable (n
 @pytest.fixture
 def threads():
     before = torch.get_num_threads()
+    K.pool_scope(True)
     yield lambda n: torch.set_num_threads(n)
+    K.pool_scope(False)
     torch.set_num_threads(before)
     K.set_thread_pool(True)
 
@@ -89,6 +92,18 @@ def test_pool_gives_openmps_bits(dtype, n, threads):
     assert _pool_threads() >= n - 1  # the loops ran on the pool (members are made on first use)
 
 
+def test_scope_is_per_thread_and_restored(threads):
+    """Outside a scope (and in other threads) the loops stay on OpenMP; pool_scope returns the
+    setting it replaced, as the decoder stack's scope restores it."""
+    assert K.pool_scope(False) is True
+    assert K.pool_scope(True) is False
+    seen: list[bool] = []
+    t = threading.Thread(target=lambda: seen.append(K.pool_scope(False)))
+    t.start()
+    t.join(timeout=30)
+    assert seen == [False]
+
+
 def test_two_callers_at_once(threads):
     """A second Python thread's loop runs on its own while the pool is busy: both stay right."""
     threads(2)
@@ -99,6 +114,7 @@ def test_two_callers_at_once(threads):
     bad: list[str] = []
 
     def caller():
+        K.pool_scope(True)  # (per thread)
         for _ in range(15):
             if not all(torch.equal(a, b) for a, b in zip(run(), ref)):
                 bad.append("differs")

@@ -2221,9 +2221,19 @@ struct StackLinear {
   int64_t group = 0;  // INT4: input columns per scale
   at::Tensor scales;  // PACKED with an int8 skinny copy: its float32 column scales
 
+  // rows x runs on the kernels' own loops only (no oneDNN / torch op): the pool may take the step
+  bool own_kernels(int64_t rows_) const {
+    switch (kind) {
+      case PACKED: return rows_ <= rows;
+      case FP8: return rows_ <= FP8_SKINNY_ROWS;
+      case PANEL:
+      case DOT: return true;
+      default: return false;
+    }
+  }
+
   at::Tensor operator()(const at::Tensor& x) const {
     at::Tensor y;
-    if (kind == DENSE || kind == INT8 || kind == INT4) pool_park();  // torch's ops: OpenMP's team
     switch (kind) {
       case DENSE:
         if (x.size(0) == 1 && x.scalar_type() == at::kBFloat16)  // linear(): one bf16 row through mv
@@ -2302,6 +2312,10 @@ struct DecoderStack {
                      at::Tensor row_kv_len, c10::optional<at::Tensor> row_extra) {
     TORCH_CHECK(x.dim() == 2 && !layers.empty() && k_caches.size() == layers.size(), "forward: caches not set");
     const int64_t T = x.size(0);
+    bool own = true;
+    for (const Layer& L : layers)
+      own = own && L.qkv.own_kernels(T) && L.o.own_kernels(T) && L.gate_up.own_kernels(T) && L.down.own_kernels(T);
+    PoolScope scope(own);  // thread_pool.h: a step of the kernels' own loops runs on their pool
     at::Tensor h = x.contiguous().clone();  // the residual stream
     at::Tensor add;                          // what the next norm adds into h first
     for (size_t l = 0; l < layers.size(); ++l) {
@@ -2352,7 +2366,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("topk_logprobs", &topk_logprobs, "per row: the k largest logits' log-softmax values and indices");
   m.def("sample_rows", &sample_rows, "one inverse-CDF draw per row from softmax(x * inv_temp); inv_temp <= 0: argmax");
   m.def("set_thread_pool", [](bool on) { axpool_enable(on); },
-        "the kernels' loops on their own pool (thread_pool.h; default on, AXONSERVE_POOL=0 off) or on at::parallel_for");
+        "the kernels' loops on their own pool where a scope asks (thread_pool.h; default on, AXONSERVE_POOL=0 off)");
+  m.def("pool_loops", &axpool_loops, "loops the kernels' pool has run in this process");
+  m.def("pool_scope", [](bool on) { return axpool_scope(on); },
+        "this thread's kernel loops on the pool (as the decoder stack's small steps); returns the previous setting");
   m.def("has_bf16_gemv", &has_bf16_gemv, "gemv_bf16 is compiled in (AVX512-BF16)");
   m.def("pack_gemv_weight", &pack_gemv_weight, "bf16 [N, K] weight into gemv_bf16's layout");
   m.def("gemv_bf16", &gemv_bf16, "x @ W^T for 1..8 bf16 rows against a packed weight (dot-product loop)");

@@ -5,15 +5,20 @@
 // OMP_WAIT_POLICY=PASSIVE) every region pays a futex wake-up of the team; spinning instead
 // (GOMP_SPINCOUNT) costs whole time slices whenever another process holds one of the two cores,
 // since a region's end waits for every member (docs/benchmarks.md#fig-kernel-pool). Here:
-//  - the calling thread starts on the work at once and claims chunks until none are left; a
-//    member that has not woken up by then does not hold the loop up: a loop waits only for
-//    chunks another member has actually claimed;
-//  - members spin for a bounded time after a loop (AXONSERVE_POOL_SPIN_US, default 50) before
-//    they sleep on a futex, so the next region of a step finds them awake;
+//  - each thread takes its own run of chunks first, in order (as a static schedule: a skinny
+//    matmul's later passes find their weight columns in the same core's cache), then what is
+//    left of the others';
+//  - the calling thread starts at once; a member that has not woken up (or lost its core) does
+//    not hold the loop up: its chunks are taken by the others, and the caller waits only for
+//    chunks a member actually claimed (spinning briefly, then asleep: its core goes idle and the
+//    scheduler can move a preempted member there);
+//  - members spin for a bounded time after a loop (AXONSERVE_POOL_SPIN_US, default 20) before
+//    they sleep on a futex, so the next loop of a step finds them awake;
 //  - park() sends them to sleep at once (before oneDNN's OpenMP team takes the cores).
-// Chunk i of n covers [b + len * i / n, b + len * (i + 1) / n): which thread computes a chunk
-// changes nothing in its result. AXONSERVE_POOL=0 (or set_thread_pool(False)) runs the loops on
-// at::parallel_for again.
+// Loops go to the pool only inside a PoolScope (the decoder stack's steps whose linears are all
+// the kernels' own); elsewhere pool_for is at::parallel_for. Chunk i of n covers
+// [b + len * i / n, b + len * (i + 1) / n): which thread computes a chunk changes nothing in its
+// result. AXONSERVE_POOL=0 (or set_thread_pool(False)) turns the pool off everywhere.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -53,10 +58,12 @@ inline void futex_wake_all(std::atomic<uint32_t>* a) {
 }
 
 inline thread_local bool t_inside = false;  // this thread is running a chunk (nested loops run inline)
+inline thread_local bool t_scope = false;   // this thread's loops go to the pool (PoolScope)
 
 class Pool {
  public:
   using Call = void (*)(const void* ctx, int64_t b, int64_t e);
+  static constexpr int MAX_SLOTS = 64;  // threads a loop takes (more: OpenMP's)
 
   static Pool& get() {
     static Pool* p = new Pool();  // never destroyed: members sleep in futex_wait at exit
@@ -66,28 +73,40 @@ class Pool {
   // body(ctx, b, e) over [begin, end) in `chunks` pieces, on the caller and up to threads - 1 members
   void run(int64_t begin, int64_t end, int64_t chunks, int threads, Call call, const void* ctx) {
     std::unique_lock<std::mutex> busy(job_mu_, std::try_to_lock);
-    if (!busy.owns_lock() || chunks > 0xffff) {  // another thread's loop is running: this one runs alone
+    if (!busy.owns_lock() || chunks > 0xffff || threads > MAX_SLOTS) {  // another thread's loop is running
       call(ctx, begin, end);
       return;
     }
+    loops_.fetch_add(1, std::memory_order_relaxed);
     grow(threads - 1);
-    begin_ = begin, len_ = end - begin, call_ = call, ctx_ = ctx;
-    members_.store(threads - 1, std::memory_order_relaxed);
+    begin_ = begin, len_ = end - begin, chunks_ = chunks, call_ = call, ctx_ = ctx;
+    slots_n_.store(threads, std::memory_order_relaxed);
     err_ = nullptr;
     done_.store(0, std::memory_order_relaxed);
     const uint32_t g = gen_.load(std::memory_order_relaxed) + 1;
-    claim_.store(pack(g, uint32_t(chunks), 0), std::memory_order_release);
+    for (int t = 0; t < threads; ++t)  // thread t's own run of chunks, as a static schedule's
+      slots_[t].claim.store(pack(g, chunks * (t + 1) / threads, chunks * t / threads), std::memory_order_relaxed);
     park_.store(false, std::memory_order_relaxed);
     gen_.store(g, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0) futex_wake_all(&gen_);
-    work(g);
-    // the chunks members claimed: they run on a core now, or were preempted mid-chunk
-    for (int i = 0; done_.load(std::memory_order_acquire) < chunks; ++i) {
-      if (i < 4096) cpu_relax();
-      else sched_yield();  // a preempted member may be waiting for this core
+    work(0, g);
+    // The chunks members claimed: they run on a core now, or were preempted mid-chunk. After a
+    // short spin this thread sleeps: its core goes idle, and the scheduler moves a member that
+    // lost its core to another process here (a spinning or yielding caller would keep it busy).
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 1; done_.load(std::memory_order_acquire) < uint32_t(chunks); ++i) {
+      cpu_relax();
+      if ((i & 63) == 0 && std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(spin_us_)) {
+        caller_waits_.store(true, std::memory_order_seq_cst);
+        for (uint32_t d; (d = done_.load(std::memory_order_seq_cst)) < uint32_t(chunks);) futex_wait(&done_, d);
+        caller_waits_.store(false, std::memory_order_relaxed);
+        break;
+      }
     }
     if (err_) std::rethrow_exception(err_);
   }
+
+  int64_t loops() const { return loops_.load(std::memory_order_relaxed); }
 
   // members go to sleep now instead of spinning (the next loop wakes them)
   void park() { park_.store(true, std::memory_order_relaxed); }
@@ -95,30 +114,40 @@ class Pool {
  private:
   Pool() {
     const char* s = std::getenv("AXONSERVE_POOL_SPIN_US");
-    spin_us_ = s ? std::atoll(s) : 50;
+    spin_us_ = s ? std::atoll(s) : 20;
   }
 
-  static uint64_t pack(uint32_t g, uint32_t n, uint32_t i) { return (uint64_t(g) << 32) | (uint64_t(n) << 16) | i; }
+  static uint64_t pack(uint32_t g, uint32_t last, uint32_t next) {
+    return (uint64_t(g) << 32) | (uint64_t(last) << 16) | next;
+  }
 
-  // claims and runs generation g's chunks until none is left; the caller's share, or a member's
-  void work(uint32_t g) {
-    uint64_t c = claim_.load(std::memory_order_acquire);
-    for (;;) {
-      const uint32_t n = (c >> 16) & 0xffff, i = c & 0xffff;
-      if (uint32_t(c >> 32) != g || i >= n) return;
-      if (!claim_.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
-      // the job's fields are stable while one of its chunks is unfinished
-      const int64_t b = begin_ + len_ * i / n, e = begin_ + len_ * (i + 1) / n;
-      t_inside = true;
-      try {
-        call_(ctx_, b, e);
-      } catch (...) {
-        std::lock_guard<std::mutex> g_(err_mu_);
-        if (!err_) err_ = std::current_exception();
+  // Runs generation g's chunks as participant `self` (0: the caller): its own run first, in order
+  // (a thread meets the same columns of a weight in every pass over it, as with OpenMP's static
+  // schedule: they stay in its core's cache), then what is left of the others' (a late member's).
+  void work(int self, uint32_t g) {
+    const int n = std::min(slots_n_.load(std::memory_order_relaxed), MAX_SLOTS);
+    for (int k = 0; k < n; ++k) {
+      std::atomic<uint64_t>& slot = slots_[(self + k) % n].claim;
+      uint64_t c = slot.load(std::memory_order_acquire);
+      for (;;) {
+        const uint32_t last = (c >> 16) & 0xffff, i = c & 0xffff;
+        if (uint32_t(c >> 32) != g || i >= last) break;
+        if (!slot.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+        // the job's fields are stable while one of its chunks is unfinished
+        const int64_t total = chunks_, b = begin_ + len_ * i / total, e = begin_ + len_ * (i + 1) / total;
+        t_inside = true;
+        try {
+          call_(ctx_, b, e);
+        } catch (...) {
+          std::lock_guard<std::mutex> g_(err_mu_);
+          if (!err_) err_ = std::current_exception();
+        }
+        t_inside = false;
+        if (done_.fetch_add(1, std::memory_order_seq_cst) + 1 == uint32_t(total) &&
+            caller_waits_.load(std::memory_order_seq_cst))
+          futex_wake_all(&done_);  // the last chunk: the caller sleeps on it
+        c = slot.load(std::memory_order_acquire);
       }
-      t_inside = false;
-      done_.fetch_add(1, std::memory_order_acq_rel);
-      c = claim_.load(std::memory_order_acquire);
     }
   }
 
@@ -148,23 +177,28 @@ class Pool {
         }
       }
       seen = gen_.load(std::memory_order_acquire);
-      if (id < members_.load(std::memory_order_relaxed)) work(seen);  // (a member beyond this loop's thread count sits it out)
+      if (id + 1 < slots_n_.load(std::memory_order_relaxed)) work(id + 1, seen);  // (beyond the loop's threads: sits out)
     }
   }
 
   std::mutex job_mu_, err_mu_;
   std::vector<std::thread> threads_;
   std::atomic<uint32_t> gen_{0};
-  std::atomic<uint64_t> claim_{0};  // generation (32 bits) | chunks (16) | next chunk (16)
-  std::atomic<int64_t> done_{0};
+  struct alignas(64) Slot {
+    std::atomic<uint64_t> claim{0};  // generation (32 bits) | end of the run (16) | next chunk (16)
+  };
+  Slot slots_[MAX_SLOTS];
+  std::atomic<int64_t> loops_{0};   // loops run on the pool so far (tests)
+  std::atomic<uint32_t> done_{0};  // the loop's finished chunks (the caller sleeps on it)
+  std::atomic<bool> caller_waits_{false};
   std::atomic<int> sleepers_{0};
   std::atomic<bool> park_{false};
-  int64_t spin_us_ = 50;
+  int64_t spin_us_ = 20;
   // the running loop (written before its generation is published)
-  int64_t begin_ = 0, len_ = 0;
+  int64_t begin_ = 0, len_ = 0, chunks_ = 1;
   Call call_ = nullptr;
   const void* ctx_ = nullptr;
-  std::atomic<int> members_{0};
+  std::atomic<int> slots_n_{0};  // the loop's threads, the caller's slot first
   std::exception_ptr err_;
 };
 
@@ -176,9 +210,9 @@ inline std::atomic<bool> g_enabled{[] {
 }  // namespace axpool
 #endif
 
-// at::parallel_for's contract (f(b, e) over disjoint ranges covering [begin, end), ranges of at
-// least `grain` where there are several) on the kernels' pool: up to 4 chunks a thread, claimed
-// as threads come free. Inline for a small range, one thread, or inside a parallel region.
+// at::parallel_for's contract (f(b, e) over disjoint ranges covering [begin, end), ranges of about
+// `grain` or more where there are several) on the kernels' pool inside a PoolScope: up to 4 chunks
+// a thread. Inline for a small range, one thread, or inside a parallel region or a chunk.
 template <class F>
 void pool_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   const int64_t n = end - begin;
@@ -187,7 +221,7 @@ void pool_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   at::parallel_for(begin, end, grain, f);
 #else
   const int threads = at::get_num_threads();
-  if (!axpool::g_enabled.load(std::memory_order_relaxed)) {
+  if (!axpool::t_scope || threads > axpool::Pool::MAX_SLOTS || !axpool::g_enabled.load(std::memory_order_relaxed)) {
     at::parallel_for(begin, end, grain, f);
     return;
   }
@@ -198,6 +232,49 @@ void pool_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   const int64_t chunks = std::min<int64_t>((n + grain - 1) / std::max<int64_t>(grain, 1), 4 * threads);
   axpool::Pool::get().run(begin, end, chunks, threads,
                           [](const void* ctx, int64_t b, int64_t e) { (*static_cast<const F*>(ctx))(b, e); }, &f);
+#endif
+}
+
+// The calling thread's loops run on the pool while one is alive (and the pool is enabled). Scoped
+// to work whose loops are all the kernels' own: a step that also runs oneDNN's products (more rows
+// than the skinny kernels take) alternates between OpenMP's team and the pool's, and served 128
+// streams ~10 % slower so (docs/benchmarks.md#fig-kernel-pool).
+class PoolScope {
+ public:
+  explicit PoolScope(bool on) {
+#if defined(__linux__)
+    prev_ = axpool::t_scope;
+    axpool::t_scope = on;
+#endif
+  }
+  ~PoolScope() {
+#if defined(__linux__)
+    axpool::t_scope = prev_;
+#endif
+  }
+  PoolScope(const PoolScope&) = delete;
+  PoolScope& operator=(const PoolScope&) = delete;
+
+ private:
+  bool prev_ = false;
+};
+
+// (tests, A/B scripts) sets the calling thread's scope outside a PoolScope; returns the previous
+inline bool axpool_scope(bool on) {
+#if defined(__linux__)
+  const bool prev = axpool::t_scope;
+  axpool::t_scope = on;
+  return prev;
+#else
+  return false;
+#endif
+}
+
+inline int64_t axpool_loops() {
+#if defined(__linux__)
+  return axpool::Pool::get().loops();
+#else
+  return 0;
 #endif
 }
 
