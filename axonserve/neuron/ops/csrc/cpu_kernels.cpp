@@ -2221,11 +2221,13 @@ struct StackLinear {
   int64_t group = 0;  // INT4: input columns per scale
   at::Tensor scales;  // PACKED with an int8 skinny copy: its float32 column scales
 
-  // rows x runs on the kernels' own loops only (no oneDNN / torch op): the pool may take the step
+  // rows x runs on the kernels' own loops only (no oneDNN, no torch op large enough for OpenMP's
+  // team: ATen splits elementwise ops from 32,768 elements): the pool may take the step
   bool own_kernels(int64_t rows_) const {
+    if (bias.defined() && rows_ * bias.numel() > 32768) return false;  // y + bias
     switch (kind) {
       case PACKED: return rows_ <= rows;
-      case FP8: return rows_ <= FP8_SKINNY_ROWS;
+      case FP8: return rows_ <= FP8_SKINNY_ROWS && rows_ * w.size(1) <= 32768;  // skinny_fp8's x.to(float)
       case PANEL:
       case DOT: return true;
       default: return false;

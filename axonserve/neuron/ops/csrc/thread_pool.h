@@ -38,6 +38,7 @@
 #include <exception>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace axpool {
@@ -65,18 +66,30 @@ class Pool {
   using Call = void (*)(const void* ctx, int64_t b, int64_t e);
   static constexpr int MAX_SLOTS = 64;  // threads a loop takes (more: OpenMP's)
 
+  // Never destroyed (members sleep in futex_wait at exit). A forked child has none of the
+  // parent's members and maybe a mutex held by a parent thread: it starts a pool of its own.
   static Pool& get() {
-    static Pool* p = new Pool();  // never destroyed: members sleep in futex_wait at exit
-    return *p;
+    static std::atomic<Pool*> p{nullptr};
+    static const bool hooked = [] {
+      pthread_atfork(nullptr, nullptr, [] { p.store(nullptr); });
+      return true;
+    }();
+    (void)hooked;
+    Pool* q = p.load(std::memory_order_acquire);
+    if (!q) {
+      static std::mutex mu;  // one new Pool at a time
+      std::lock_guard<std::mutex> g(mu);
+      q = p.load(std::memory_order_acquire);
+      if (!q) p.store(q = new Pool(), std::memory_order_release);
+    }
+    return *q;
   }
 
-  // body(ctx, b, e) over [begin, end) in `chunks` pieces, on the caller and up to threads - 1 members
-  void run(int64_t begin, int64_t end, int64_t chunks, int threads, Call call, const void* ctx) {
+  // body(ctx, b, e) over [begin, end) in `chunks` (1..256) pieces, on the caller and up to
+  // threads - 1 members; false (nothing run) while another thread's loop holds the pool
+  bool run(int64_t begin, int64_t end, int64_t chunks, int threads, Call call, const void* ctx) {
     std::unique_lock<std::mutex> busy(job_mu_, std::try_to_lock);
-    if (!busy.owns_lock() || chunks > 0xffff || threads > MAX_SLOTS) {  // another thread's loop is running
-      call(ctx, begin, end);
-      return;
-    }
+    if (!busy.owns_lock()) return false;
     loops_.fetch_add(1, std::memory_order_relaxed);
     grow(threads - 1);
     begin_ = begin, len_ = end - begin, chunks_ = chunks, call_ = call, ctx_ = ctx;
@@ -103,7 +116,8 @@ class Pool {
         break;
       }
     }
-    if (err_) std::rethrow_exception(err_);
+    if (err_) std::rethrow_exception(std::exchange(err_, nullptr));
+    return true;
   }
 
   int64_t loops() const { return loops_.load(std::memory_order_relaxed); }
@@ -162,13 +176,14 @@ class Pool {
 
   void member(int id) {
     uint32_t seen = gen_.load(std::memory_order_acquire);
+    bool idle = false;
     for (;;) {
       auto t0 = std::chrono::steady_clock::now();
       for (int i = 1;; ++i) {
         if (gen_.load(std::memory_order_acquire) != seen) break;
         cpu_relax();
         if ((i & 63) == 0 &&
-            (park_.load(std::memory_order_relaxed) ||
+            (idle || park_.load(std::memory_order_relaxed) ||
              std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(spin_us_))) {
           sleepers_.fetch_add(1, std::memory_order_seq_cst);
           futex_wait(&gen_, seen);
@@ -177,7 +192,8 @@ class Pool {
         }
       }
       seen = gen_.load(std::memory_order_acquire);
-      if (id + 1 < slots_n_.load(std::memory_order_relaxed)) work(id + 1, seen);  // (beyond the loop's threads: sits out)
+      idle = id + 1 >= slots_n_.load(std::memory_order_relaxed);  // beyond the loop's threads: sits out, asleep
+      if (!idle) work(id + 1, seen);
     }
   }
 
@@ -221,17 +237,23 @@ void pool_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   at::parallel_for(begin, end, grain, f);
 #else
   const int threads = at::get_num_threads();
+  if (axpool::t_inside) {  // a loop inside a chunk (on a member: never OpenMP's team from there)
+    f(begin, end);
+    return;
+  }
   if (!axpool::t_scope || threads > axpool::Pool::MAX_SLOTS || !axpool::g_enabled.load(std::memory_order_relaxed)) {
     at::parallel_for(begin, end, grain, f);
     return;
   }
-  if (threads <= 1 || n <= grain || axpool::t_inside || at::in_parallel_region()) {
+  const int64_t g = std::max<int64_t>(grain, 1);
+  if (threads <= 1 || n <= g || at::in_parallel_region()) {
     f(begin, end);
     return;
   }
-  const int64_t chunks = std::min<int64_t>((n + grain - 1) / std::max<int64_t>(grain, 1), 4 * threads);
-  axpool::Pool::get().run(begin, end, chunks, threads,
-                          [](const void* ctx, int64_t b, int64_t e) { (*static_cast<const F*>(ctx))(b, e); }, &f);
+  const int64_t chunks = std::min<int64_t>((n + g - 1) / g, 4 * threads);
+  if (!axpool::Pool::get().run(begin, end, chunks, threads,
+                               [](const void* ctx, int64_t b, int64_t e) { (*static_cast<const F*>(ctx))(b, e); }, &f))
+    at::parallel_for(begin, end, grain, f);  // another thread's loop holds the pool
 #endif
 }
 
