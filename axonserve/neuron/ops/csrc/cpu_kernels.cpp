@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -2130,7 +2131,6 @@ at::Tensor dot_linear_codes(at::Tensor x, at::Tensor codes, at::Tensor d, at::Te
 
 // oneDNN's bf16 matmul (x [M, K] contiguous, w reordered by mkldnn::_reorder_linear_weight).
 at::Tensor onednn_call(const at::Tensor& x, const at::Tensor& w) {
-  pool_park();  // oneDNN runs on OpenMP's team
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   std::vector<c10::IValue> s{x, w, c10::IValue(), c10::IValue(std::string("none")),
                              c10::IValue(c10::List<c10::optional<at::Scalar>>()), c10::IValue(std::string(""))};
@@ -2221,16 +2221,17 @@ struct StackLinear {
   int64_t group = 0;  // INT4: input columns per scale
   at::Tensor scales;  // PACKED with an int8 skinny copy: its float32 column scales
 
-  // rows x runs on the kernels' own loops only (no oneDNN, no torch op large enough for OpenMP's
-  // team: ATen splits elementwise ops from 32,768 elements): the pool may take the step
-  bool own_kernels(int64_t rows_) const {
-    if (bias.defined() && rows_ * bias.numel() > 32768) return false;  // y + bias
+  // The most rows x may have for this projection to run on the kernels' own loops only (no oneDNN,
+  // no torch op large enough for OpenMP's team: ATen splits elementwise ops from 32,768 elements)
+  int64_t own_rows() const {
+    const int64_t any = std::numeric_limits<int64_t>::max();
+    const int64_t with_bias = bias.defined() ? 32768 / std::max<int64_t>(bias.numel(), 1) : any;  // y + bias
     switch (kind) {
-      case PACKED: return rows_ <= rows;
-      case FP8: return rows_ <= FP8_SKINNY_ROWS && rows_ * w.size(1) <= 32768;  // skinny_fp8's x.to(float)
+      case PACKED: return std::min(rows, with_bias);
+      case FP8: return std::min({FP8_SKINNY_ROWS, 32768 / w.size(1), with_bias});  // skinny_fp8's x.to(float)
       case PANEL:
-      case DOT: return true;
-      default: return false;
+      case DOT: return with_bias;
+      default: return 0;
     }
   }
 
@@ -2269,6 +2270,7 @@ struct DecoderStack {
   std::vector<at::Tensor> k_caches, v_caches;
   std::vector<c10::optional<at::Tensor>> k_scales, v_scales;  // int8 caches' scales (else none)
   std::vector<int64_t> windows;  // per layer: its sliding window (0: none); empty: none anywhere
+  int64_t pool_rows = std::numeric_limits<int64_t>::max();  // steps of up to this many rows run on the pool
 
   DecoderStack(int64_t hq, int64_t hkv, int64_t d, double eps_, double scale_, at::Tensor final_norm_, at::Tensor cos_,
                at::Tensor sin_)
@@ -2287,6 +2289,7 @@ struct DecoderStack {
                            scales[i]};
     }
     layers.push_back(Layer{in_norm, post_norm, lin[0], lin[1], lin[2], lin[3]});
+    for (const StackLinear& l : lin) pool_rows = std::min(pool_rows, l.own_rows());
   }
 
   // ks / vs: each int8 cache's scales (empty lists for bf16 / float32 caches)
@@ -2314,10 +2317,7 @@ struct DecoderStack {
                      at::Tensor row_kv_len, c10::optional<at::Tensor> row_extra) {
     TORCH_CHECK(x.dim() == 2 && !layers.empty() && k_caches.size() == layers.size(), "forward: caches not set");
     const int64_t T = x.size(0);
-    bool own = true;
-    for (const Layer& L : layers)
-      own = own && L.qkv.own_kernels(T) && L.o.own_kernels(T) && L.gate_up.own_kernels(T) && L.down.own_kernels(T);
-    PoolScope scope(own);  // thread_pool.h: a step of the kernels' own loops runs on their pool
+    PoolScope scope(T <= pool_rows);  // thread_pool.h: a step of the kernels' own loops runs on their pool
     at::Tensor h = x.contiguous().clone();  // the residual stream
     at::Tensor add;                          // what the next norm adds into h first
     for (size_t l = 0; l < layers.size(); ++l) {

@@ -14,7 +14,6 @@
 //    scheduler can move a preempted member there);
 //  - members spin for a bounded time after a loop (AXONSERVE_POOL_SPIN_US, default 20) before
 //    they sleep on a futex, so the next loop of a step finds them awake;
-//  - park() sends them to sleep at once (before oneDNN's OpenMP team takes the cores).
 // Loops go to the pool only inside a PoolScope (the decoder stack's steps whose linears are all
 // the kernels' own); elsewhere pool_for is at::parallel_for. Chunk i of n covers
 // [b + len * i / n, b + len * (i + 1) / n): which thread computes a chunk changes nothing in its
@@ -99,7 +98,6 @@ class Pool {
     const uint32_t g = gen_.load(std::memory_order_relaxed) + 1;
     for (int t = 0; t < threads; ++t)  // thread t's own run of chunks, as a static schedule's
       slots_[t].claim.store(pack(g, chunks * (t + 1) / threads, chunks * t / threads), std::memory_order_relaxed);
-    park_.store(false, std::memory_order_relaxed);
     gen_.store(g, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0) futex_wake_all(&gen_);
     work(0, g);
@@ -122,8 +120,6 @@ class Pool {
 
   int64_t loops() const { return loops_.load(std::memory_order_relaxed); }
 
-  // members go to sleep now instead of spinning (the next loop wakes them)
-  void park() { park_.store(true, std::memory_order_relaxed); }
 
  private:
   Pool() {
@@ -183,7 +179,7 @@ class Pool {
         if (gen_.load(std::memory_order_acquire) != seen) break;
         cpu_relax();
         if ((i & 63) == 0 &&
-            (idle || park_.load(std::memory_order_relaxed) ||
+            (idle ||
              std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(spin_us_))) {
           sleepers_.fetch_add(1, std::memory_order_seq_cst);
           futex_wait(&gen_, seen);
@@ -208,7 +204,6 @@ class Pool {
   std::atomic<uint32_t> done_{0};  // the loop's finished chunks (the caller sleeps on it)
   std::atomic<bool> caller_waits_{false};
   std::atomic<int> sleepers_{0};
-  std::atomic<bool> park_{false};
   int64_t spin_us_ = 20;
   // the running loop (written before its generation is published)
   int64_t begin_ = 0, len_ = 0, chunks_ = 1;
@@ -303,12 +298,5 @@ inline int64_t axpool_loops() {
 inline void axpool_enable(bool on) {
 #if defined(__linux__)
   axpool::g_enabled.store(on);
-#endif
-}
-
-// Before work that runs on OpenMP's team (oneDNN, torch's ops): the pool's members stop spinning.
-inline void pool_park() {
-#if defined(__linux__)
-  axpool::Pool::get().park();
 #endif
 }
