@@ -125,3 +125,47 @@ def test_two_callers_at_once(threads):
     for t in ts:
         t.join(timeout=120)
     assert not any(t.is_alive() for t in ts) and not bad
+
+
+# The data is made on one thread: a parent that has started an OpenMP team leaves GNU OpenMP
+# unusable in a forked child (its team is gone), whatever the pool does; the pool's own loops
+# never start one.
+CHILD = """
+import os, torch
+from axonserve.neuron.ops import native
+K = native.kernels()
+print("spin", K.pool_spin_us(), flush=True)
+torch.set_num_threads(1)
+g = torch.Generator().manual_seed(0)
+gu = torch.randn(700, 2 * 1536, generator=g).to(torch.bfloat16)
+logits = torch.randn(64, 4096, generator=g).to(torch.bfloat16)
+torch.set_num_threads(2)
+K.pool_scope(True)
+run = lambda: [K.silu_and_mul(gu), K.argmax_rows(logits)]
+ref = run()
+names = lambda: [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+tasks = lambda: names().count("axon-pool")
+assert tasks() >= 1
+pid = os.fork()
+if pid == 0:  # the child's pool is its own: members made anew, same bits
+    before = K.pool_loops()
+    ok = all(torch.equal(a, b) for _ in range(5) for a, b in zip(run(), ref))
+    os._exit(0 if ok and tasks() >= 1 and K.pool_loops() > before else 3)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+@pytest.mark.parametrize(("value", "spin"), [(None, 20), ("50", 50), ("99999999999", 1000), ("-5", 0), ("junk", 0)])
+def test_spin_bounded_and_fork_gets_its_own_pool(value, spin):
+    """AXONSERVE_POOL_SPIN_US is read once, within 0-1000 µs; a process forked after the pool ran
+    makes a pool of its own (threads are not inherited) and computes the same bits on it."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("AXONSERVE_POOL_SPIN_US", "AXONSERVE_POOL")}
+    if value is not None:
+        env["AXONSERVE_POOL_SPIN_US"] = value
+    r = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"spin {spin}\n" in r.stdout and "child 0\n" in r.stdout, r.stdout

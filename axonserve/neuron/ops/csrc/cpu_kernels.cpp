@@ -2370,6 +2370,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_thread_pool", [](bool on) { axpool_enable(on); },
         "the kernels' loops on their own pool where a scope asks (thread_pool.h; default on, AXONSERVE_POOL=0 off)");
   m.def("pool_loops", &axpool_loops, "loops the kernels' pool has run in this process");
+  m.def("pool_spin_us", &axpool_spin_us, "how long the pool's members spin after a loop (AXONSERVE_POOL_SPIN_US, bounded)");
   m.def("pool_scope", [](bool on) { return axpool_scope(on); },
         "this thread's kernel loops on the pool (as the decoder stack's small steps); returns the previous setting");
   m.def("has_bf16_gemv", &has_bf16_gemv, "gemv_bf16 is compiled in (AVX512-BF16)");

@@ -12,7 +12,7 @@
 //    not hold the loop up: its chunks are taken by the others, and the caller waits only for
 //    chunks a member actually claimed (spinning briefly, then asleep: its core goes idle and the
 //    scheduler can move a preempted member there);
-//  - members spin for a bounded time after a loop (AXONSERVE_POOL_SPIN_US, default 20) before
+//  - members spin for a bounded time after a loop (AXONSERVE_POOL_SPIN_US, default 20, 0-1000) before
 //    they sleep on a futex, so the next loop of a step finds them awake;
 // Loops go to the pool only inside a PoolScope (the decoder stack's steps whose linears are all
 // the kernels' own); elsewhere pool_for is at::parallel_for. Chunk i of n covers
@@ -29,6 +29,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <climits>
@@ -119,12 +120,14 @@ class Pool {
   }
 
   int64_t loops() const { return loops_.load(std::memory_order_relaxed); }
+  int64_t spin_us() const { return spin_us_; }
 
 
  private:
   Pool() {
     const char* s = std::getenv("AXONSERVE_POOL_SPIN_US");
-    spin_us_ = s ? std::atoll(s) : 20;
+    // bounded: members spinning for long burn a core between steps for nothing (results unchanged)
+    spin_us_ = s ? std::clamp<int64_t>(std::atoll(s), 0, MAX_SPIN_US) : 20;
   }
 
   static uint64_t pack(uint32_t g, uint32_t last, uint32_t next) {
@@ -204,6 +207,7 @@ class Pool {
   std::atomic<uint32_t> done_{0};  // the loop's finished chunks (the caller sleeps on it)
   std::atomic<bool> caller_waits_{false};
   std::atomic<int> sleepers_{0};
+  static constexpr int64_t MAX_SPIN_US = 1000;
   int64_t spin_us_ = 20;
   // the running loop (written before its generation is published)
   int64_t begin_ = 0, len_ = 0, chunks_ = 1;
@@ -290,6 +294,14 @@ inline bool axpool_scope(bool on) {
 inline int64_t axpool_loops() {
 #if defined(__linux__)
   return axpool::Pool::get().loops();
+#else
+  return 0;
+#endif
+}
+
+inline int64_t axpool_spin_us() {
+#if defined(__linux__)
+  return axpool::Pool::get().spin_us();
 #else
   return 0;
 #endif
