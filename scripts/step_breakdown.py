@@ -2,14 +2,17 @@
 """Where one model step goes, op by op, with the weights and KV coming from DRAM.
 
 Decode (default): B sequences of `--context` tokens each decode one token; prefill
-(`--prefill N`): one N-token prompt, in chunks of `--chunk`. Before each step a buffer of 4x the
-L3 is written, so the step starts with a cold cache, as a busy neighbour leaves it. Each op kind
-is timed with module hooks on the per-layer path (the fused C++ decoder stack runs the same
+(`--prefill N`): one N-token prompt, in chunks of `--chunk`, or `--prompts B` of them in one plan
+(a wave of requests, as `bench serve`'s first step at B streams; the LM head over their last rows).
+Before each step a buffer of 4x the L3 is written, so the step starts with a cold cache, as a busy
+neighbour leaves it. Each op kind is timed with module hooks on the per-layer path (the fused C++
+decoder stack runs the same
 kernels in one call; its step time is printed beside for comparison), plus the LM head over the
 rows sampling needs and the greedy argmax. Medians over `--steps` steps, each a fresh cold step.
 
     PYTHONPATH=. python scripts/step_breakdown.py --batch 32 --context 128 --dtype float32
     PYTHONPATH=. python scripts/step_breakdown.py --prefill 1024 --dtype float32
+    PYTHONPATH=. python scripts/step_breakdown.py --prefill 64 --prompts 32 --dtype bfloat16
 
 The engine's own parts (scheduler, bus, detokenization) are `axonserve bench step`'s per-process
 CPU columns; docs/benchmarks.md#fig-step-breakdown puts both side by side.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import os
 import statistics
 import time
@@ -86,6 +90,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=128, help="decode: tokens already in each sequence's cache")
     p.add_argument("--prefill", type=int, default=0, help="prefill one prompt of this many tokens instead")
     p.add_argument("--chunk", type=int, default=0, help="prefill chunk (default: the whole prompt)")
+    p.add_argument("--prompts", type=int, default=1, help="prefill: this many prompts in one plan (no --chunk)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--activation-quantization", default="", choices=["", "int8"], help="as `serve`'s flag")
@@ -98,13 +103,19 @@ def main() -> None:
     bs = 16
     if a.prefill:
         chunk = a.chunk or a.prefill
-        seqs, per_seq = 1, a.prefill // bs + 2
-        calls = [([n], [s]) for s in range(0, a.prefill, chunk) for n in [min(chunk, a.prefill - s)]]
-        rows, label = 1, f"prefill of {a.prefill} tokens (chunks of {chunk})"
+        seqs, per_seq = a.prompts, a.prefill // bs + 2
+        if a.prompts > 1:
+            if a.chunk:
+                p.error("--prompts runs each prompt whole: leave --chunk out")
+            calls = [([a.prefill] * a.prompts, [0] * a.prompts)]
+            label = f"prefill of {a.prompts} prompts of {a.prefill} tokens (one plan)"
+        else:
+            calls = [([n], [s]) for s in range(0, a.prefill, chunk) for n in [min(chunk, a.prefill - s)]]
+            label = f"prefill of {a.prefill} tokens (chunks of {chunk})"
     else:
         seqs, per_seq = a.batch, (a.context + 1) // bs + 1
         calls = [([1] * a.batch, [a.context] * a.batch)]
-        rows, label = a.batch, f"decode step, batch {a.batch}, context {a.context}"
+        label = f"decode step, batch {a.batch}, context {a.context}"
     shape = (seqs * per_seq, bs, mc.num_kv_heads, mc.head_dim)
     caches = [(torch.randn(shape).to(dt), torch.randn(shape).to(dt)) for _ in range(mc.num_layers)]
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(seqs)]
@@ -112,6 +123,8 @@ def main() -> None:
     metas = [AttentionMetadata.build(q, c, tables, bs, native=kernels, native_chunks=chunks) for q, c in calls]
     ids = torch.randint(0, mc.vocab_size, (sum(metas[0].positions.shape),))
     flush = torch.zeros(4 * l3_bytes(), dtype=torch.uint8)
+    n_last = sum(calls[-1][0])
+    last = torch.tensor(list(itertools.accumulate(calls[-1][0]))) - 1 if a.prefill else torch.arange(n_last)
 
     def step(times: OpTimer | None) -> tuple[float, dict[str, float]]:
         flush.add_(1)  # the L3 now holds this buffer, not the weights
@@ -120,7 +133,7 @@ def main() -> None:
             n = sum(q)
             h = model(ids[:n], meta.positions, caches, meta)
         t1 = time.perf_counter()
-        logits = model.compute_logits(h[-rows:])
+        logits = model.compute_logits(h[last])
         t2 = time.perf_counter()
         greedy_ids(logits)
         t3 = time.perf_counter()

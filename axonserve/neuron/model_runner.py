@@ -33,6 +33,7 @@ from axonserve.neuron.block_table import BlockTable
 from axonserve.neuron.config import ModelConfig
 from axonserve.neuron.kv_transfer import export_kv, import_kv
 from axonserve.neuron.layers.fp8 import kv_code_dtype
+from axonserve.neuron.layers.quant import settle_onednn_split
 from axonserve.neuron.loader import load_model
 from axonserve.neuron.models.bert import EncoderBatch
 from axonserve.neuron.ops import native
@@ -283,7 +284,13 @@ class ModelRunner:
         burst of a fresh server took far longer than later ones, and that step is every burst
         request's TTFT (docs/benchmarks.md#fig-neuron-model-runner). vLLM-CPU runs a dummy batch at
         start-up for the same reason. Skipped for pooling and multimodal models and in bucketing
-        mode. Returns the seconds it took (0: skipped)."""
+        mode. Returns the seconds it took (0: skipped).
+        Before it, oneDNN's per-row-bucket threading choice is settled for every bucket a step
+        may use (layers/quant.py `settle_onednn_split`), for every kind of model."""
+        t0 = time.perf_counter()
+        products = settle_onednn_split(self.model, self.config.max_num_batched_tokens)
+        if products:
+            log.info("runner.onednn_settled", products=products, seconds=round(time.perf_counter() - t0, 2))
         if self.task != "generate" or self.buckets is not None or self.images is not None or not self.num_kv_blocks:
             return 0.0
         seq = max(1, min(self.WARMUP_SEQ_LEN, self.max_model_len))

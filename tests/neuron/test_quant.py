@@ -209,3 +209,59 @@ def test_int8_kv_cache_stays_close(smollm2_dir, native):
         got.log_softmax(-1), base.log_softmax(-1), log_target=True, reduction="batchmean"
     ).item()
     assert agree >= 0.85 and kl <= 0.01, (agree, kl)  # measured: 0.90, 0.003 (nonsense prompt: near-ties)
+
+
+def test_warm_up_settles_every_row_bucket(monkeypatch):
+    """`settle_onednn_split` (the runner's warm-up) makes `onednn_linear`'s choice for every row
+    bucket of the model's oneDNN weights up to max_rows, so no served product pays the measurement
+    (cpu_kernels.cpp `onednn_settle`); buckets past max_rows are left to measure when they come,
+    and with AXONSERVE_ONEDNN_SPLIT set (never / always split) nothing is measured at all."""
+    from axonserve.neuron.layers.quant import PackedWeight, can_pack, settle_onednn_split
+    from axonserve.neuron.ops import native
+
+    k = native.kernels()
+    if not can_pack(torch.bfloat16) or k is None:
+        pytest.skip("no oneDNN bf16 path or no native kernels on this CPU")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = torch.nn.Sequential(torch.nn.Module(), torch.nn.Module())
+        model[0].qweight = PackedWeight(torch.randn(112, 160).bfloat16())  # shapes no other test uses
+        model[1].qweight = PackedWeight(torch.randn(48, 160).bfloat16())
+        buckets = range(4, 16)  # 256 rows (128 a thread) and up, 64 a bucket
+
+        def choices(n: int) -> list[int]:
+            return [k.onednn_split_choice(160, n, 64 * b + 5) for b in buckets]
+
+        monkeypatch.setenv("AXONSERVE_ONEDNN_SPLIT", "0")
+        assert settle_onednn_split(model, 700) == 0 and set(choices(112)) == {-1}
+        monkeypatch.delenv("AXONSERVE_ONEDNN_SPLIT")
+        assert settle_onednn_split(model, 700) == 2 * 2 * 7  # buckets 4..10, both weights, twice each
+        for n in (112, 48):
+            got = choices(n)
+            assert all(c in (0, 1) for c in got[:7]), got  # oneDNN's threading or the split, decided
+            assert set(got[7:]) == {-1}, got  # past 700 rows: measured when served
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_runner_warm_up_settles_its_weights(tiny_llama_dir, monkeypatch):
+    """A bf16 runner's start-up warm-up leaves each of its oneDNN weights' row buckets decided."""
+    from axonserve.neuron.layers.quant import PackedWeight, can_pack
+    from axonserve.neuron.ops import native
+
+    from .conftest import make_runner
+
+    k = native.kernels()
+    if not can_pack(torch.bfloat16) or k is None:
+        pytest.skip("no oneDNN bf16 path or no native kernels on this CPU")
+    monkeypatch.delenv("AXONSERVE_ONEDNN_SPLIT", raising=False)
+    threads = torch.get_num_threads()
+    try:
+        runner = make_runner(tiny_llama_dir, dtype="bfloat16", max_num_batched_tokens=320, num_kv_blocks=96)
+        torch.set_num_threads(2)
+        packed = [m.qweight for m in runner.model.modules() if isinstance(getattr(m, "qweight", None), PackedWeight)]
+        runner.warm_up()  # (its prefill's products are 320 rows: bucket 5; only the settling reaches 4)
+        assert packed and all(k.onednn_split_choice(p.shape[1], p.shape[0], 300) in (0, 1) for p in packed)
+    finally:
+        torch.set_num_threads(threads)

@@ -145,6 +145,26 @@ def onednn_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
 
 
+def settle_onednn_split(model: torch.nn.Module, max_rows: int) -> int:
+    """Make `onednn_linear`'s per-bucket choice (oneDNN's threading or the rows split between the
+    threads) for every oneDNN weight shape of the model and every row bucket up to max_rows now,
+    at start-up, instead of in the first served product of each bucket: measuring computes that
+    product 8-14 times (a wave's prefill paid ~10-40 ms a new bucket in its TTFT). Returns the
+    products run (0: no native kernels, one thread, or AXONSERVE_ONEDNN_SPLIT set)."""
+    from axonserve.neuron.ops import native
+
+    k = native.kernels()
+    if k is None or not hasattr(k, "onednn_settle"):
+        return 0
+    shapes: dict[tuple[int, ...], torch.Tensor] = {}
+    for m in model.modules():
+        q = getattr(m, "qweight", None)
+        onednn = getattr(q, "onednn", False) or getattr(q, "skinny", None) is not None
+        if isinstance(q, (PackedWeight, QuantizedWeight)) and onednn and q.data.layout == torch._mkldnn:
+            shapes.setdefault(tuple(q.data.shape), q.data)
+    return sum(k.onednn_settle(w, max_rows) for w in shapes.values())
+
+
 class PanelWeight:
     """A weight for float32 activations on an AVX2 + FMA CPU (AVX-512 ones too), in the native
     `panel_linear` layout ([N/16, K, 16] strips). MKL's float32 GEMM runs decode-sized products

@@ -2164,29 +2164,43 @@ at::Tensor onednn_row_split(const at::Tensor& x, const at::Tensor& w) {
 // split). The measured products are computed eight (and six) times; later ones once. The two
 // ways accumulate in other orders: bf16 results within one rounding of each other.
 // AXONSERVE_ONEDNN_SPLIT=0 never splits, =force always does (where it may: tests, A/B).
-at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
-  constexpr int64_t MIN_SLICE = 128;  // rows per thread below which the split is not tried
-  // Products above this keep oneDNN's own threading unmeasured: the misthreaded ones seen are up to
-  // 2.3 GFLOP, and measuring computes a product eight times (a vocabulary head's 50-100 ms ones,
-  // which oneDNN threads well: 1.8-2x at 2 threads from 256 rows).
-  constexpr double MAX_MEASURED_FLOP = 4e9;
-  const int64_t M = x.size(0), T = at::get_num_threads();
-  if (x.dim() != 2 || T < 2 || M < MIN_SLICE * T || at::in_parallel_region()) return onednn_call(x, w);
-  const char* env = std::getenv("AXONSERVE_ONEDNN_SPLIT");  // (read per call: a product takes ms)
+constexpr int64_t SPLIT_MIN_SLICE = 128;  // rows per thread below which the split is not tried
+constexpr int64_t SPLIT_BUCKET = 64;      // rows: products of one bucket share the choice
+// Products above this keep oneDNN's own threading unmeasured: the misthreaded ones seen are up to
+// 2.3 GFLOP, and measuring computes a product eight times (a vocabulary head's 50-100 ms ones,
+// which oneDNN threads well: 1.8-2x at 2 threads from 256 rows).
+constexpr double SPLIT_MAX_MEASURED_FLOP = 4e9;
+
+// AXONSERVE_ONEDNN_SPLIT (read per call: a product takes ms): 0 never split, 1 always, -1 measure
+int split_mode() {
+  const char* env = std::getenv("AXONSERVE_ONEDNN_SPLIT");
   const std::string mode = env ? env : "";
-  if (mode == "0" || mode == "false" || mode == "no") return onednn_call(x, w);
-  if (mode == "force") return onednn_row_split(x, w);
-  if (2.0 * M * x.size(1) * w.size(0) > MAX_MEASURED_FLOP) return onednn_call(x, w);
-  static std::mutex mu;
-  enum Way : int { UNKNOWN = -1, ONEDNN = 0, SPLIT = 1, SPLIT_ONCE = 2 };  // SPLIT_ONCE: to be confirmed
-  static std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, int> ways;
-  const auto key = std::make_tuple(x.size(1), w.size(0), M / 64, T);
-  int known;
-  {
-    std::lock_guard<std::mutex> g(mu);
-    const auto it = ways.find(key);
-    known = it == ways.end() ? UNKNOWN : it->second;
-  }
+  return mode == "0" || mode == "false" || mode == "no" ? 0 : mode == "force" ? 1 : -1;
+}
+
+// Each (K, N, row bucket, threads)'s choice, made by its first products
+enum SplitWay : int { UNKNOWN = -1, ONEDNN = 0, SPLIT = 1, SPLIT_ONCE = 2 };  // SPLIT_ONCE: to be confirmed
+using SplitKey = std::tuple<int64_t, int64_t, int64_t, int64_t>;
+std::mutex split_mu;
+std::map<SplitKey, int> split_ways;
+
+SplitKey split_key(int64_t K, int64_t N, int64_t M) { return {K, N, M / SPLIT_BUCKET, at::get_num_threads()}; }
+
+int split_way(const SplitKey& key) {
+  std::lock_guard<std::mutex> g(split_mu);
+  const auto it = split_ways.find(key);
+  return it == split_ways.end() ? UNKNOWN : it->second;
+}
+
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
+  const int64_t M = x.size(0), T = at::get_num_threads();
+  if (x.dim() != 2 || T < 2 || M < SPLIT_MIN_SLICE * T || at::in_parallel_region()) return onednn_call(x, w);
+  const int mode = split_mode();
+  if (mode == 0) return onednn_call(x, w);
+  if (mode == 1) return onednn_row_split(x, w);
+  if (2.0 * M * x.size(1) * w.size(0) > SPLIT_MAX_MEASURED_FLOP) return onednn_call(x, w);
+  const SplitKey key = split_key(x.size(1), w.size(0), M);
+  const int known = split_way(key);
   auto run = [&](int way) { return way == SPLIT ? onednn_row_split(x, w) : onednn_call(x, w); };
   if (known == ONEDNN || known == SPLIT) return run(known);
   if (known == UNKNOWN) {  // this bucket's primitives
@@ -2203,10 +2217,29 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
     }
   const bool split = best[0] > 1.3 * best[1];
   {
-    std::lock_guard<std::mutex> g(mu);
-    ways[key] = !split ? ONEDNN : known == SPLIT_ONCE ? SPLIT : SPLIT_ONCE;
+    std::lock_guard<std::mutex> g(split_mu);
+    split_ways[key] = !split ? ONEDNN : known == SPLIT_ONCE ? SPLIT : SPLIT_ONCE;
   }
   return y[split];
+}
+
+// onednn_linear's choice for every row bucket of this weight up to max_rows, made now (start-up:
+// the runner's warm-up) instead of in the first served product of each bucket, whose measurement
+// computes it 8-14 times (SmolLM2's down_proj: ~16x a product's time; a 32-stream wave's prefill
+// paid it in its TTFT). Each bucket is run twice: the second confirms a split. Returns the
+// products run.
+int64_t onednn_settle(const at::Tensor& w, int64_t max_rows) {
+  const int64_t T = at::get_num_threads(), K = w.size(1), N = w.size(0);
+  const int64_t first = SPLIT_MIN_SLICE * T / SPLIT_BUCKET, last = max_rows / SPLIT_BUCKET;
+  if (T < 2 || last < first || split_mode() != -1) return 0;
+  const at::Tensor x = at::randn({std::min(max_rows, last * SPLIT_BUCKET + SPLIT_BUCKET / 2), K}).to(at::kBFloat16);
+  int64_t runs = 0;
+  for (int64_t b = first; b <= last; ++b) {
+    const int64_t M = std::min(max_rows, b * SPLIT_BUCKET + SPLIT_BUCKET / 2);
+    if (M / SPLIT_BUCKET != b || 2.0 * M * K * N > SPLIT_MAX_MEASURED_FLOP) continue;
+    for (int rep = 0; rep < 2; ++rep, ++runs) onednn_linear(x.narrow(0, 0, M), w);
+  }
+  return runs;
 }
 
 // One projection as the Python layer runs it (layers/linear.py `linear`, layers/quant.py).
@@ -2379,6 +2412,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_rows", &skinny_rows, "the most rows skinny_bf16 takes for this packed weight");
   m.def("pack_int8_weight", &pack_int8_weight, "int8 [N, K] weight into skinny_int8's layout");
   m.def("skinny_int8", &skinny_int8, "x @ (W * scales)^T for 0..64 bf16 rows, W int8 packed (AMX)");
+  m.def("onednn_settle", &onednn_settle, "onednn_linear's split choice for every row bucket up to max_rows, now");
+  m.def("onednn_split_choice", [](int64_t K, int64_t N, int64_t M) { return split_way(split_key(K, N, M)); },
+        "onednn_linear's choice for this shape at this thread count: -1 not made, 0 oneDNN, 1 split, 2 split once");
   m.def("onednn_linear", &onednn_linear, "x @ W^T through oneDNN's bf16 matmul (W reordered), rows split where that is faster",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("skinny_bf16", &skinny_bf16, "x @ W^T for 1..skinny_rows rows: AMX tiles, else the dot-product loop");
