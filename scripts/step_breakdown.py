@@ -123,8 +123,7 @@ def main() -> None:
     metas = [AttentionMetadata.build(q, c, tables, bs, native=kernels, native_chunks=chunks) for q, c in calls]
     ids = torch.randint(0, mc.vocab_size, (sum(metas[0].positions.shape),))
     flush = torch.zeros(4 * l3_bytes(), dtype=torch.uint8)
-    n_last = sum(calls[-1][0])
-    last = torch.tensor(list(itertools.accumulate(calls[-1][0]))) - 1 if a.prefill else torch.arange(n_last)
+    last = torch.tensor(list(itertools.accumulate(calls[-1][0]))) - 1  # each sequence's last row
 
     def step(times: OpTimer | None) -> tuple[float, dict[str, float]]:
         flush.add_(1)  # the L3 now holds this buffer, not the weights

@@ -154,13 +154,12 @@ def settle_onednn_split(model: torch.nn.Module, max_rows: int) -> int:
     from axonserve.neuron.ops import native
 
     k = native.kernels()
-    if k is None or not hasattr(k, "onednn_settle"):
+    if k is None:
         return 0
     shapes: dict[tuple[int, ...], torch.Tensor] = {}
     for m in model.modules():
         q = getattr(m, "qweight", None)
-        onednn = getattr(q, "onednn", False) or getattr(q, "skinny", None) is not None
-        if isinstance(q, (PackedWeight, QuantizedWeight)) and onednn and q.data.layout == torch._mkldnn:
+        if isinstance(q, (PackedWeight, QuantizedWeight)) and q.data.layout == torch._mkldnn:  # oneDNN's layout
             shapes.setdefault(tuple(q.data.shape), q.data)
     return sum(k.onednn_settle(w, max_rows) for w in shapes.values())
 

@@ -2186,6 +2186,12 @@ std::map<SplitKey, int> split_ways;
 
 SplitKey split_key(int64_t K, int64_t N, int64_t M) { return {K, N, M / SPLIT_BUCKET, at::get_num_threads()}; }
 
+// Whether a product of this shape is one whose way is measured (else oneDNN's own threading)
+bool split_measured(int64_t M, int64_t K, int64_t N) {
+  const int64_t T = at::get_num_threads();
+  return T >= 2 && M >= SPLIT_MIN_SLICE * T && 2.0 * M * K * N <= SPLIT_MAX_MEASURED_FLOP;
+}
+
 int split_way(const SplitKey& key) {
   std::lock_guard<std::mutex> g(split_mu);
   const auto it = split_ways.find(key);
@@ -2198,7 +2204,7 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w) {
   const int mode = split_mode();
   if (mode == 0) return onednn_call(x, w);
   if (mode == 1) return onednn_row_split(x, w);
-  if (2.0 * M * x.size(1) * w.size(0) > SPLIT_MAX_MEASURED_FLOP) return onednn_call(x, w);
+  if (!split_measured(M, x.size(1), w.size(0))) return onednn_call(x, w);
   const SplitKey key = split_key(x.size(1), w.size(0), M);
   const int known = split_way(key);
   auto run = [&](int way) { return way == SPLIT ? onednn_row_split(x, w) : onednn_call(x, w); };
@@ -2236,7 +2242,7 @@ int64_t onednn_settle(const at::Tensor& w, int64_t max_rows) {
   int64_t runs = 0;
   for (int64_t b = first; b <= last; ++b) {
     const int64_t M = std::min(max_rows, b * SPLIT_BUCKET + SPLIT_BUCKET / 2);
-    if (M / SPLIT_BUCKET != b || 2.0 * M * K * N > SPLIT_MAX_MEASURED_FLOP) continue;
+    if (M / SPLIT_BUCKET != b || !split_measured(M, K, N)) continue;
     for (int rep = 0; rep < 2; ++rep, ++runs) onednn_linear(x.narrow(0, 0, M), w);
   }
   return runs;
