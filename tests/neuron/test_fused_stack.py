@@ -144,18 +144,19 @@ def test_small_steps_run_on_the_kernels_pool(tmp_path, monkeypatch):
         assert used and K.pool_loops() > before
         assert all(torch.equal(a, b) for a, b in zip(got, want))
         assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
-        # 65+ rows: the linears go to oneDNN, the step's loops to OpenMP
+        # more rows than the skinny kernels take: the linears go to oneDNN, the step's loops to OpenMP
+        n = K.skinny_rows(wp) + 16
         monkeypatch.setenv("AXONSERVE_FUSED", "1")
         cfg = model.config
         caches = [
             (torch.zeros(64, BS, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16),) * 2
             for _ in range(cfg.num_layers)
         ]
-        meta = AttentionMetadata.build([1] * 80, [5] * 80, [[i % 64] for i in range(80)], BS, native=K)
+        meta = AttentionMetadata.build([1] * n, [5] * n, [[i % 64] for i in range(n)], BS, native=K)
         before = K.pool_loops()
         with torch.inference_mode():
-            model(torch.zeros(80, dtype=torch.long), meta.positions, caches, meta)
-        assert fused.takes(meta, torch.zeros(80, 1)) and K.pool_loops() == before
+            model(torch.zeros(n, dtype=torch.long), meta.positions, caches, meta)
+        assert fused.takes(meta, torch.zeros(n, 1)) and K.pool_loops() == before
     finally:
         torch.set_num_threads(threads)
         K.set_thread_pool(True)

@@ -87,11 +87,11 @@ def test_quantized_smollm2_stays_close(smollm2_dir, method, n, min_agree, max_kl
     assert agree >= min_agree and kl <= max_kl, (agree, kl)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 17, 32, 33, 64, 70])
+@pytest.mark.parametrize("rows", [1, 3, 4, 17, 32, 33, 64, 70, 100, 128, 129])
 @pytest.mark.parametrize("n", [208, 200])  # 200 rows: no skinny-matmul layout (not a multiple of 16)
 def test_bf16_packed_weights_give_the_same_products(rows, n):
     """oneDNN's layout: bit for bit F.linear. The skinny layout (up to skinny_rows rows, when the
-    CPU has AVX512-BF16; 64 with AMX): the float32 product rounded once to bf16 (at most half a
+    CPU has AVX512-BF16; 128 with AMX): the float32 product rounded once to bf16 (at most half a
     bf16 ulp from the exact product), through AMX tiles and through the dot-product loop."""
     from axonserve.neuron.layers.quant import PackedWeight, can_pack
     from axonserve.neuron.ops import native
@@ -153,8 +153,10 @@ def test_onednn_products_split_by_rows_round_once(mode, monkeypatch):
 
 @pytest.mark.parametrize("k", [64, 72])  # 72: not whole AMX tiles (32 K values), the loop alone
 def test_skinny_matmul_takes_every_row_count(k):
-    """Each row count has its own tile configuration (AMX: 1..16 one row tile, 17..32 two) or
-    register blocking (the dot-product loop): all of them, against the float64 product."""
+    """Each row count has its own tile configuration (AMX: 1..16 one row tile, 17..32 two, more in
+    passes of 32 over each pair of column blocks, the last pass partial) or register blocking (the
+    dot-product loop): all of them, against the float64 product; and a row's bits do not depend
+    on the batch it is in (the passes cut rows, never a row's sum)."""
     from axonserve.neuron.layers.quant import PackedWeight, can_pack
 
     pw = PackedWeight(torch.randn(80, k).bfloat16()) if can_pack(torch.bfloat16) else None
@@ -165,7 +167,9 @@ def test_skinny_matmul_takes_every_row_count(k):
     for m in range(1, max(pw.skinny_rows, 8) + 1):
         xm = torch.randn(m, k).bfloat16()
         if m <= pw.skinny_rows:
-            torch.testing.assert_close(pw.matmul(xm).double(), xm.double() @ w.T, atol=0.05, rtol=1e-2)
+            got = pw.matmul(xm)
+            torch.testing.assert_close(got.double(), xm.double() @ w.T, atol=0.05, rtol=1e-2)
+            assert torch.equal(got, torch.cat([pw.matmul(xm[i : i + 5]) for i in range(0, m, 5)])), m
         if m <= 8:
             torch.testing.assert_close(
                 pw.kernels.gemv_bf16(xm, pw.skinny).double(), xm.double() @ w.T, atol=0.05, rtol=1e-2

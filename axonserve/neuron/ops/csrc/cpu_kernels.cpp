@@ -1117,14 +1117,17 @@ bool has_bf16_gemv() {
 #endif
 }
 
-// ------------------------------------------------------------------ AMX tiles for 1..64 rows
+// ------------------------------------------------------------------ AMX tiles for 1..128 rows
 // The same packed weight read by AMX's tile multiply: a B tile is 16 consecutive K pairs of one
 // 16-column block (16 rows x 64 bytes, contiguous in the layout), an A tile up to 16 rows x 32 K
 // values of x, the accumulator tile [rows x 16] float32. Weights are streamed once; a batch of up
 // to 32 rows costs about what one row does (oneDNN's brgemm reads them at about half that rate at
-// these sizes on this machine); 33-64 rows take two passes (amx_matmul). Above that (prefill)
-// oneDNN's blocking wins and keeps them.
-constexpr int64_t AMX_MAX_ROWS = 64, AMX_PASS_ROWS = 32;
+// these sizes on this machine); more rows take passes of 32 over each pair of column blocks while
+// it is in cache (amx_rows32). SmolLM2's 121 decode linears from DRAM (scripts/linear_ab.py):
+// 0.75x oneDNN's time at 64 rows, 0.74-0.86x at 96-128, 0.87-0.95x at 192-256 (not taken: within
+// the noise of the hour). An int8 weight is widened again on every pass, so it stops at 64 rows
+// (0.84x the two-pass kernel there; at 128 rows even with oneDNN, at 256 1.5x slower).
+constexpr int64_t AMX_MAX_ROWS = 128, AMX_INT8_MAX_ROWS = 64, AMX_PASS_ROWS = 32;
 
 #ifdef AXON_AMX
 struct TileConfig {  // ldtilecfg's 64-byte layout (palette 1)
@@ -1163,10 +1166,10 @@ inline void store_tile_rows(int tile, float* buf, bf16* op, int64_t os, int64_t 
 // when attention's KV reads compete for memory (past a block's end it touches the next block:
 // harmless, prefetches do not fault).
 constexpr int64_t AMX_PREFETCH = 4 * 512;  // elements: 4 tiles ahead
-template <typename W>
+template <typename W, int HINT = _MM_HINT_T0>
 inline void prefetch_tile(const W* p) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int i = 0; i < int(512 * sizeof(W)); i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+  for (int i = 0; i < int(512 * sizeof(W)); i += 64) _mm_prefetch(c + i, static_cast<_mm_hint>(HINT));
 }
 
 // A B tile for _tile_loadd: bf16 weights are used where they lie; an int8 tile (512 bytes) is
@@ -1258,52 +1261,77 @@ void amx_rows16(const bf16* xp, int64_t xs, const W* w, const float* scales, int
   _tile_release();
 }
 
-// 16 < M <= 32: two row tiles (A = tiles 4, 5) times two column blocks (B = tiles 6, 7);
-// accumulators 0, 1 = rows 0..15 and 2, 3 = rows 16..M-1 of blocks nb, nb + 1.
+// 16 < M: passes of up to 32 rows (two row tiles, A = tiles 4, 5) over each pair of column blocks
+// (B = tiles 6, 7); accumulators 0, 1 = a pass's rows 0..15 and 2, 3 its rows 16..31 of blocks nb,
+// nb + 1. All of a pair's passes run before the next pair, so the weights stream from memory once
+// and the later passes find the pair's tiles in L1/L2 (one pass over the whole weight per 32 rows
+// read it again from DRAM: this machine's shared L3 is hardly faster). While the later passes
+// compute, the next pair's tiles are requested into L2, spread over those passes, so the memory
+// keeps streaming. Each output element sees the same tile products in the same K order as in one
+// pass: the bits do not depend on how the rows are cut.
 template <typename W>
 void amx_rows32(const bf16* xp, int64_t xs, const W* w, const float* scales, int64_t K2, int64_t M, bf16* op,
                 int64_t os, int64_t nb0, int64_t nb1) {
-  const int64_t M1 = M - 16;
-  TileConfig cfg;
-  const uint8_t rows[8] = {16, 16, uint8_t(M1), uint8_t(M1), 16, uint8_t(M1), 16, 16};
-  for (int t = 0; t < 8; ++t) { cfg.rows[t] = rows[t]; cfg.colsb[t] = 64; }
-  _tile_loadconfig(&cfg);
   alignas(64) float buf[16 * 16];
   const int64_t bs = K2 * 32;
   BTiles<W> bt{w, bs};
   const int64_t KC = K2 / 16;
-  const bf16* xp1 = xp + 16 * xs;
+  const int64_t P = (M + AMX_PASS_ROWS - 1) / AMX_PASS_ROWS;
+  int64_t configured = 0;  // the rows of the pass the tiles are configured for
   for (int64_t nb = nb0; nb < nb1; nb += 2) {
-    const bool two = nb + 1 < nb1;
-    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    bt.widen(nb, 0, two ? 2 : 1);
-    for (int64_t kc = 0; kc < KC; ++kc) {
-      const W* wk = w + nb * bs + kc * 512;
-      prefetch_tile(wk + AMX_PREFETCH);
-      if (two) prefetch_tile(wk + bs + AMX_PREFETCH);
-      _tile_loadd(4, xp + kc * 32, xs * 2);
-      _tile_loadd(5, xp1 + kc * 32, xs * 2);
-      _tile_loadd(6, bt.get(nb, kc, 0), 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(2, 5, 6);
-      if (two) {
-        _tile_loadd(7, bt.get(nb, kc, 1), 64);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(3, 5, 7);
+    const int64_t nbl = nb + 1 < nb1 ? 2 : 1;
+    const int64_t next = std::min<int64_t>(2, std::max<int64_t>(0, nb1 - nb - 2)) * KC;  // next pair's tiles
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t m0 = p * AMX_PASS_ROWS, pm = std::min(AMX_PASS_ROWS, M - m0);
+      const int64_t M0 = std::min<int64_t>(16, pm), M1 = pm - M0;
+      if (pm != configured) {
+        TileConfig cfg;
+        const uint8_t rows[8] = {uint8_t(M0), uint8_t(M0), uint8_t(M1), uint8_t(M1), uint8_t(M0), uint8_t(M1), 16, 16};
+        for (int t = 0; t < 8; ++t) { cfg.rows[t] = rows[t]; cfg.colsb[t] = rows[t] ? 64 : 0; }
+        _tile_loadconfig(&cfg);
+        configured = pm;
       }
-      if (kc + 1 < KC) bt.widen(nb, kc + 1, two ? 2 : 1);
-    }
-    for (int j = 0; j < (two ? 2 : 1); ++j) {
-      const float* sc = scales ? scales + (nb + j) * 16 : nullptr;
-      store_tile_rows(j, buf, op + (nb + j) * 16, os, 16, sc);
-      store_tile_rows(2 + j, buf, op + 16 * os + (nb + j) * 16, os, M1, sc);
+      const bf16* xa = xp + m0 * xs;
+      const bf16* xb = xa + 16 * xs;
+      _tile_zero(0); _tile_zero(1);
+      if (M1) { _tile_zero(2); _tile_zero(3); }
+      bt.widen(nb, 0, nbl);
+      for (int64_t kc = 0; kc < KC; ++kc) {
+        const W* wk = w + nb * bs + kc * 512;
+        if (p == 0) {
+          prefetch_tile(wk + AMX_PREFETCH);
+          if (nbl == 2) prefetch_tile(wk + bs + AMX_PREFETCH);
+        } else {
+          const int64_t slot = (p - 1) * KC + kc, slots = (P - 1) * KC;
+          for (int64_t t = slot * next / slots; t < (slot + 1) * next / slots; ++t)
+            prefetch_tile<W, _MM_HINT_T1>(w + (nb + 2 + t % 2) * bs + (t / 2) * 512);
+        }
+        _tile_loadd(4, xa + kc * 32, xs * 2);
+        if (M1) _tile_loadd(5, xb + kc * 32, xs * 2);
+        _tile_loadd(6, bt.get(nb, kc, 0), 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (M1) _tile_dpbf16ps(2, 5, 6);
+        if (nbl == 2) {
+          _tile_loadd(7, bt.get(nb, kc, 1), 64);
+          _tile_dpbf16ps(1, 4, 7);
+          if (M1) _tile_dpbf16ps(3, 5, 7);
+        }
+        if (kc + 1 < KC) bt.widen(nb, kc + 1, nbl);
+      }
+      for (int j = 0; j < nbl; ++j) {
+        const float* sc = scales ? scales + (nb + j) * 16 : nullptr;
+        store_tile_rows(j, buf, op + m0 * os + (nb + j) * 16, os, M0, sc);
+        if (M1) store_tile_rows(2 + j, buf, op + (m0 + 16) * os + (nb + j) * 16, os, M1, sc);
+      }
     }
   }
-  _tile_release();
+  if (configured) _tile_release();
 }
 
+// Up to AMX_MAX_ROWS rows: M <= 16 on one row tile and four column blocks at a time, more on
+// amx_rows32's passes of 32 rows.
 template <typename W>
-void amx_pass(const at::Tensor& x, const W* w, const float* scales, int64_t NB, int64_t K2, at::Tensor& out) {
+void amx_matmul(const at::Tensor& x, const W* w, const float* scales, int64_t NB, int64_t K2, at::Tensor& out) {
   const int64_t M = x.size(0);
   const bf16* xp = x.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
@@ -1316,17 +1344,6 @@ void amx_pass(const at::Tensor& x, const W* w, const float* scales, int64_t NB, 
     if (M <= 16) amx_rows16(xp, xs, w, scales, K2, M, op, os, nb0, nb1);
     else amx_rows32(xp, xs, w, scales, K2, M, op, os, nb0, nb1);
   });
-}
-// Up to AMX_MAX_ROWS rows in passes of up to 32 (two row tiles), each pass over the whole weight:
-// the later passes find it in cache. On SmolLM2's 121 decode matmuls (cache-cold) at 33-64 rows
-// that beat oneDNN: int8 11.3-14.3 ms and bf16 14.4-16.0 vs 15.4-17.7 (at 96 rows: even).
-template <typename W>
-void amx_matmul(const at::Tensor& x, const W* w, const float* scales, int64_t NB, int64_t K2, at::Tensor& out) {
-  for (int64_t m0 = 0; m0 < x.size(0); m0 += AMX_PASS_ROWS) {
-    const int64_t m = std::min(AMX_PASS_ROWS, x.size(0) - m0);
-    at::Tensor o = out.narrow(0, m0, m);
-    amx_pass(x.narrow(0, m0, m), w, scales, NB, K2, o);
-  }
 }
 
 #endif
@@ -1401,13 +1418,13 @@ at::Tensor gemv_bf16(at::Tensor x, at::Tensor wp) {
   return out;
 }
 
-// The most rows skinny_bf16 should take for this packed weight: 64 with AMX (K a multiple of 32);
+// The most rows skinny_bf16 should take for this packed weight: 128 with AMX (K a multiple of 32);
 // with AVX512-BF16 only 3 (measured: from 4 rows on oneDNN is as fast); 0 without either. An int8
 // weight (skinny_int8) takes 64 with AMX, else 0.
 constexpr int64_t GEMV_FAST_ROWS = 3;
 int64_t skinny_rows(at::Tensor wp) {
   if (!has_bf16_gemv()) return 0;
-  if (amx_fits(wp)) return AMX_MAX_ROWS;
+  if (amx_fits(wp)) return wp.scalar_type() == at::kChar ? AMX_INT8_MAX_ROWS : AMX_MAX_ROWS;
   return wp.scalar_type() == at::kChar ? 0 : GEMV_FAST_ROWS;
 }
 
@@ -1427,7 +1444,7 @@ at::Tensor skinny_bf16(at::Tensor x, at::Tensor wp) {
   return out;
 }
 
-// x @ (W * scales[:, None])^T for 0..AMX_MAX_ROWS rows with W int8 in the skinny layout (one
+// x @ (W * scales[:, None])^T for 0..AMX_INT8_MAX_ROWS rows with W int8 in the skinny layout (one
 // symmetric scale per output column, layers/quant.py's int8): half the bytes of bf16 streamed.
 // Each 512-byte B tile is widened to exact bf16 integers in L1 (b_tile, one K step ahead) and the
 // scales multiply the float32 accumulators. AMX only. SmolLM2's 121 decode matmuls, cache-cold:
@@ -1438,7 +1455,7 @@ at::Tensor skinny_int8(at::Tensor x, at::Tensor wp, at::Tensor scales) {
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == wp.size(0) * 16,
               "scales: float32 [N]");
   const int64_t M = x.size(0);
-  TORCH_CHECK(M <= AMX_MAX_ROWS, "skinny_int8 takes 0..", AMX_MAX_ROWS, " rows");
+  TORCH_CHECK(M <= AMX_INT8_MAX_ROWS, "skinny_int8 takes 0..", AMX_INT8_MAX_ROWS, " rows");
   at::Tensor out = at::empty({M, wp.size(0) * 16}, x.options());
   if (M == 0) return out;
 #ifdef AXON_AMX
