@@ -1165,7 +1165,13 @@ inline void store_tile_rows(int tile, float* buf, bf16* op, int64_t os, int64_t 
 // in software too, which keeps more of the stream in flight than the hardware prefetcher alone
 // when attention's KV reads compete for memory (past a block's end it touches the next block:
 // harmless, prefetches do not fault).
-constexpr int64_t AMX_PREFETCH = 4 * 512;  // elements: 4 tiles ahead
+// Into L1 4 tiles ahead; a one-pass batch of 17-32 rows (two streams, where 1-16 rows have four) also
+// into L2 32 tiles ahead, which keeps more of the stream in flight: SmolLM2's decode linears from
+// DRAM (scripts/linear_ab.py) at 32 rows 0.94-0.95x the time (16 tiles: 0.985x; 12 tiles into L1
+// instead: 1.02x slower); at 1-16 rows it made no difference, with more passes it doubled the
+// requests of amx_rows32's next-pair prefetch (1.10x slower at 128 rows).
+constexpr int64_t AMX_PREFETCH = 4 * 512;      // elements
+constexpr int64_t AMX_PREFETCH_L2 = 32 * 512;  // elements
 template <typename W, int HINT = _MM_HINT_T0>
 inline void prefetch_tile(const W* p) {
   const char* c = reinterpret_cast<const char*>(p);
@@ -1301,6 +1307,10 @@ void amx_rows32(const bf16* xp, int64_t xs, const W* w, const float* scales, int
         if (p == 0) {
           prefetch_tile(wk + AMX_PREFETCH);
           if (nbl == 2) prefetch_tile(wk + bs + AMX_PREFETCH);
+          if (P == 1) {  // (with more passes the later ones request the next pair)
+            prefetch_tile<W, _MM_HINT_T1>(wk + AMX_PREFETCH_L2);
+            if (nbl == 2) prefetch_tile<W, _MM_HINT_T1>(wk + bs + AMX_PREFETCH_L2);
+          }
         } else {
           const int64_t slot = (p - 1) * KC + kc, slots = (P - 1) * KC;
           for (int64_t t = slot * next / slots; t < (slot + 1) * next / slots; ++t)
