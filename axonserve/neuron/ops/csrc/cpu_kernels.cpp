@@ -1271,9 +1271,8 @@ void amx_rows16(const bf16* xp, int64_t xs, const W* w, const float* scales, int
 // (B = tiles 6, 7); accumulators 0, 1 = a pass's rows 0..15 and 2, 3 its rows 16..31 of blocks nb,
 // nb + 1. All of a pair's passes run before the next pair, so the weights stream from memory once
 // and the later passes find the pair's tiles in L1/L2 (one pass over the whole weight per 32 rows
-// read it again from DRAM: this machine's shared L3 is hardly faster). While the later passes
-// compute, the next pair's tiles are requested into L2, spread over those passes, so the memory
-// keeps streaming. Each output element sees the same tile products in the same K order as in one
+// read it again from DRAM: this machine's shared L3 is hardly faster). While the passes compute,
+// the next pair's tiles are requested into L2, spread over them, so the memory keeps streaming. Each output element sees the same tile products in the same K order as in one
 // pass: the bits do not depend on how the rows are cut.
 template <typename W>
 void amx_rows32(const bf16* xp, int64_t xs, const W* w, const float* scales, int64_t K2, int64_t M, bf16* op,
@@ -1283,6 +1282,9 @@ void amx_rows32(const bf16* xp, int64_t xs, const W* w, const float* scales, int
   BTiles<W> bt{w, bs};
   const int64_t KC = K2 / 16;
   const int64_t P = (M + AMX_PASS_ROWS - 1) / AMX_PASS_ROWS;
+  // the first pass that requests the next pair: bf16 from the first (0.91x the time at 64 rows
+  // against from the second), int8 from the second (its first pass is busy widening: 1.07x slower)
+  constexpr int64_t P0 = std::is_same_v<W, int8_t> ? 1 : 0;
   int64_t configured = 0;  // the rows of the pass the tiles are configured for
   for (int64_t nb = nb0; nb < nb1; nb += 2) {
     const int64_t nbl = nb + 1 < nb1 ? 2 : 1;
@@ -1307,12 +1309,13 @@ void amx_rows32(const bf16* xp, int64_t xs, const W* w, const float* scales, int
         if (p == 0) {
           prefetch_tile(wk + AMX_PREFETCH);
           if (nbl == 2) prefetch_tile(wk + bs + AMX_PREFETCH);
-          if (P == 1) {  // (with more passes the later ones request the next pair)
+          if (P == 1) {  // (with more passes the next pair is requested instead)
             prefetch_tile<W, _MM_HINT_T1>(wk + AMX_PREFETCH_L2);
             if (nbl == 2) prefetch_tile<W, _MM_HINT_T1>(wk + bs + AMX_PREFETCH_L2);
           }
-        } else {
-          const int64_t slot = (p - 1) * KC + kc, slots = (P - 1) * KC;
+        }
+        if (P > 1 && p >= P0) {
+          const int64_t slot = (p - P0) * KC + kc, slots = (P - P0) * KC;
           for (int64_t t = slot * next / slots; t < (slot + 1) * next / slots; ++t)
             prefetch_tile<W, _MM_HINT_T1>(w + (nb + 2 + t % 2) * bs + (t / 2) * 512);
         }
