@@ -1272,8 +1272,9 @@ void amx_rows16(const bf16* xp, int64_t xs, const W* w, const float* scales, int
 // nb + 1. All of a pair's passes run before the next pair, so the weights stream from memory once
 // and the later passes find the pair's tiles in L1/L2 (one pass over the whole weight per 32 rows
 // read it again from DRAM: this machine's shared L3 is hardly faster). While the passes compute,
-// the next pair's tiles are requested into L2, spread over them, so the memory keeps streaming. Each output element sees the same tile products in the same K order as in one
-// pass: the bits do not depend on how the rows are cut.
+// the next pair's tiles are requested into L2, spread over them, so the memory keeps streaming.
+// Each output element sees the same tile products in the same K order as in one pass: the bits do
+// not depend on how the rows are cut.
 template <typename W>
 void amx_rows32(const bf16* xp, int64_t xs, const W* w, const float* scales, int64_t K2, int64_t M, bf16* op,
                 int64_t os, int64_t nb0, int64_t nb1) {
@@ -1282,13 +1283,16 @@ void amx_rows32(const bf16* xp, int64_t xs, const W* w, const float* scales, int
   BTiles<W> bt{w, bs};
   const int64_t KC = K2 / 16;
   const int64_t P = (M + AMX_PASS_ROWS - 1) / AMX_PASS_ROWS;
-  // the first pass that requests the next pair: bf16 from the first (0.91x the time at 64 rows
-  // against from the second), int8 from the second (its first pass is busy widening: 1.07x slower)
-  constexpr int64_t P0 = std::is_same_v<W, int8_t> ? 1 : 0;
+  // the first pass that requests the next pair: bf16 from the first at 2-3 passes (0.90x the time
+  // at 64 rows, 0.95x at 96, against from the second), from the second at 4 (compute-bound there:
+  // from the first was 1.01-1.03x slower); int8 from the second (its first pass is busy widening:
+  // from the first 1.07x slower at 64 rows)
+  const int64_t P0 = std::is_same_v<W, int8_t> || P >= 4 ? 1 : 0;
   int64_t configured = 0;  // the rows of the pass the tiles are configured for
   for (int64_t nb = nb0; nb < nb1; nb += 2) {
     const int64_t nbl = nb + 1 < nb1 ? 2 : 1;
-    const int64_t next = std::min<int64_t>(2, std::max<int64_t>(0, nb1 - nb - 2)) * KC;  // next pair's tiles
+    const int64_t nn = std::min<int64_t>(2, std::max<int64_t>(0, nb1 - nb - 2));  // blocks in the next pair
+    const int64_t next = nn * KC;                                                   // and their tiles
     for (int64_t p = 0; p < P; ++p) {
       const int64_t m0 = p * AMX_PASS_ROWS, pm = std::min(AMX_PASS_ROWS, M - m0);
       const int64_t M0 = std::min<int64_t>(16, pm), M1 = pm - M0;
@@ -1317,7 +1321,7 @@ void amx_rows32(const bf16* xp, int64_t xs, const W* w, const float* scales, int
         if (P > 1 && p >= P0) {
           const int64_t slot = (p - P0) * KC + kc, slots = (P - P0) * KC;
           for (int64_t t = slot * next / slots; t < (slot + 1) * next / slots; ++t)
-            prefetch_tile<W, _MM_HINT_T1>(w + (nb + 2 + t % 2) * bs + (t / 2) * 512);
+            prefetch_tile<W, _MM_HINT_T1>(w + (nb + 2 + t % nn) * bs + (t / nn) * 512);
         }
         _tile_loadd(4, xa + kc * 32, xs * 2);
         if (M1) _tile_loadd(5, xb + kc * 32, xs * 2);
