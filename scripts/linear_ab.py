@@ -26,7 +26,7 @@ import time
 import torch
 
 from axonserve.bench.repeat import l3_bytes
-from axonserve.neuron.layers.quant import onednn_matmul
+from axonserve.neuron.layers.quant import PackedWeight, QuantizedWeight, onednn_matmul
 from axonserve.neuron.ops import native
 
 HIDDEN, QKV, INTER, VOCAB, LAYERS = 576, 960, 1536, 49152, 30
@@ -47,23 +47,21 @@ def main() -> None:
 
         mods["base"] = load_module(args.base)
     shapes = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS + [(VOCAB, HIDDEN)]
-    dense = [torch.randn(n, k, dtype=torch.bfloat16) / k**0.5 for n, k in shapes]
-    if args.int8:  # one symmetric scale per output row, as layers/quant.py's int8
-        scales = [(w.float().abs().amax(dim=1) / 127).clamp(min=1e-12) for w in dense]
-        codes = [(w.float() / s[:, None]).round().clamp(-127, 127).to(torch.int8) for w, s in zip(dense, scales)]
-        dense = [(q.float() * s[:, None]).bfloat16() for q, s in zip(codes, scales)]
-        skinny = [this.pack_int8_weight(q) for q in codes]
-    else:
-        skinny = [this.pack_gemv_weight(w) for w in dense]  # the same layout in every build
-        scales = [None] * len(skinny)
+    # the engine's own weights: the skinny copy (the same layout in every build) and oneDNN's
+    weights = [
+        QuantizedWeight(w, "int8", torch.bfloat16) if args.int8 else PackedWeight(w)
+        for w in (torch.randn(n, k, dtype=torch.bfloat16) / k**0.5 for n, k in shapes)
+    ]
+    if weights[0].skinny is None:
+        raise SystemExit("no AMX skinny kernels on this CPU")
+    skinny = [q.skinny for q in weights]
+    reordered = [q.data for q in weights]
 
     def mul(mod, x: torch.Tensor, i: int) -> torch.Tensor:
         if args.int8:
-            return mod.skinny_int8(x, skinny[i], scales[i])
+            return mod.skinny_int8(x, skinny[i], weights[i].skinny_scales)
         return mod.skinny_bf16(x, skinny[i])
 
-    reordered = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in dense]
-    del dense
     flush = torch.empty(4 * l3_bytes() // 4, dtype=torch.float32)
 
     def sweep(name: str, x: dict[int, torch.Tensor]) -> float:

@@ -1441,8 +1441,9 @@ at::Tensor gemv_bf16(at::Tensor x, at::Tensor wp) {
 constexpr int64_t GEMV_FAST_ROWS = 3;
 int64_t skinny_rows(at::Tensor wp) {
   if (!has_bf16_gemv()) return 0;
-  if (amx_fits(wp)) return wp.scalar_type() == at::kChar ? AMX_INT8_MAX_ROWS : AMX_MAX_ROWS;
-  return wp.scalar_type() == at::kChar ? 0 : GEMV_FAST_ROWS;
+  const bool int8 = wp.scalar_type() == at::kChar;
+  if (amx_fits(wp)) return int8 ? AMX_INT8_MAX_ROWS : AMX_MAX_ROWS;
+  return int8 ? 0 : GEMV_FAST_ROWS;
 }
 
 // x @ W^T for 1..skinny_rows(wp) rows: through AMX tiles when the CPU has them (one row too:
