@@ -6,6 +6,7 @@ are preempted and recomputed (re-sent to the workers as new). Its draws hash (se
 from __future__ import annotations
 
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -28,7 +29,9 @@ def peaked_llama_dir(tmp_path_factory, smollm2_dir) -> str:
     return make_tiny_llama(str(tmp_path_factory.mktemp("peaked-llama")), smollm2_dir, initializer_range=1.0)
 
 
-def complete(base_url: str, i: int) -> str:
+def complete(base_url: str, i: int, start: threading.Barrier | None = None) -> str:
+    """Request i; with `start`, posted only once every thread of the crowd is ready to post (each
+    thread's client set-up took longer than a request on a fast hour: the crowd never overlapped)."""
     body = {
         "prompt": PROMPTS[i],
         "max_tokens": N_NEW,
@@ -37,7 +40,10 @@ def complete(base_url: str, i: int) -> str:
         "seed": 1000 + i,
         **PARAMS[i],
     }
-    r = httpx.post(base_url + "/v1/completions", json=body, timeout=120)
+    with httpx.Client(base_url=base_url, timeout=120) as http:
+        if start is not None:
+            start.wait(60)
+        r = http.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "length", choice
@@ -59,6 +65,7 @@ def test_seeded_outputs_survive_preemption(peaked_llama_dir):
         assert preemptions(srv.base_url) == 0, "a request alone must fit the pool"
         assert len(set(alone)) == len(alone)
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            crowd = list(pool.map(lambda i: complete(srv.base_url, i), range(len(PROMPTS))))
+            start = threading.Barrier(len(PROMPTS))
+            crowd = list(pool.map(lambda i: complete(srv.base_url, i, start), range(len(PROMPTS))))
         assert preemptions(srv.base_url) > 0, "no request was preempted: the test no longer tests preemption"
     assert crowd == alone
