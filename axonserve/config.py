@@ -533,8 +533,8 @@ class Addresses(msgspec.Struct, kw_only=True):
 
     control: str  # supervisor ROUTER
     engine: str  # scheduler ROUTER (clients connect DEALERs)
-    plan: str  # scheduler XPUB -> worker SUBs
-    result: str  # worker rank 0 PUSH -> scheduler PULL
+    plan: str  # scheduler -> every worker rank (unix://: actors/channel.py; else XPUB -> SUBs)
+    result: str  # worker rank 0 -> scheduler (unix://: the plan's channel; else PUSH -> PULL)
     stats: str = ""  # every actor PUSH (non-blocking) -> metrics actor PULL
     metrics: str = ""  # metrics actor ROUTER: GetMetrics -> MetricsText
     dist_init: str = ""  # torch.distributed init_method for worker ranks (tcp://host:port)
@@ -545,12 +545,14 @@ class Addresses(msgspec.Struct, kw_only=True):
     engines: list[str] = []  # data parallel: every engine's scheduler ROUTER, in engine order (the frontend's)
 
     @classmethod
-    def in_dir(cls, d: str, dist_port: int = 0) -> "Addresses":
+    def in_dir(cls, d: str, dist_port: int = 0, channel: bool = True) -> "Addresses":
+        """Every endpoint in run directory `d`; the step's plans and results on one channel
+        (actors/channel.py) unless `channel` is False (then ZeroMQ, as everything else)."""
         return cls(
             control=f"ipc://{d}/control",
             engine=f"ipc://{d}/engine",
-            plan=f"ipc://{d}/plan",
-            result=f"ipc://{d}/result",
+            plan=f"unix://{d}/plan" if channel else f"ipc://{d}/plan",
+            result=f"unix://{d}/plan" if channel else f"ipc://{d}/result",
             stats=f"ipc://{d}/stats",
             metrics=f"ipc://{d}/metrics",
             dist_init=f"tcp://127.0.0.1:{dist_port}" if dist_port else "",

@@ -98,7 +98,8 @@ class Supervisor:
         dist_port = 0
         while config.num_workers > 1 and dist_port in (0, config.port):  # not the HTTP port
             dist_port = free_port()
-        self.addresses = Addresses.in_dir(self.run_dir, dist_port)
+        # (a foreign driver binds the ranks' plan and result sockets with ZeroMQ)
+        self.addresses = Addresses.in_dir(self.run_dir, dist_port, channel=not workers_only)
         # a tcp bus (actors on other machines can reach it): CURVE on every socket, keys per launch,
         # handed to children in their environment (`bus_env`), never on argv
         self.bus_keys: security.BusKeys | None = None
@@ -220,8 +221,8 @@ class Supervisor:
         def other(url: str, name: str) -> str:
             if not url:
                 return url
-            if url.startswith("ipc://"):
-                return f"ipc://{self.run_dir}/{name}-dp{i}"
+            if url.startswith(("ipc://", "unix://")):
+                return f"{url.split('://', 1)[0]}://{self.run_dir}/{name}-dp{i}"
             host = url.rsplit(":", 1)[0]  # tcp://host:port -> the same host, a free port
             return f"{host}:{free_port(_bare_host(host))}"
 
@@ -229,7 +230,7 @@ class Supervisor:
             a,
             engine=other(a.engine, "engine"),
             plan=other(a.plan, "plan"),
-            result=other(a.result, "result"),
+            result=other(a.result, "plan" if a.result == a.plan else "result"),
             dist_init=other(a.dist_init, "dist") if a.dist_init else "",
         )
         return msgspec.structs.replace(self.config, data_parallel_rank=i), addrs, engine_suffix(i)
@@ -244,8 +245,8 @@ class Supervisor:
             port = free_port()
         own = {
             "engine": f"ipc://{d}/prefill-engine",
-            "plan": f"ipc://{d}/prefill-plan",
-            "result": f"ipc://{d}/prefill-result",
+            "plan": f"unix://{d}/prefill-plan",
+            "result": f"unix://{d}/prefill-plan",
             "dist_init": f"tcp://127.0.0.1:{port}" if port else "",
         }
         if self.config.bus_transport == "tcp":

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import zmq
 
 from axonserve import __version__
+from axonserve.actors.channel import ChannelServer, channel_path, is_channel
 from axonserve.actors.runtime import Actor, attach, bus_socket, data_message_bytes
 from axonserve.config import engine_suffix
 from axonserve.engine.buckets import BucketConfig
@@ -83,12 +84,17 @@ class SchedulerActor(Actor):
         a, cfg = self.addresses, self.config
         self.router = self.socket(zmq.ROUTER, a.engine, bind=True)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.pub = bus_socket(self.ctx, zmq.XPUB, data_message_bytes(cfg))
-        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every rank's subscription, not just the first
-        self.pub.setsockopt(zmq.SNDHWM, 0)
-        self.pub.setsockopt(zmq.LINGER, 2000)
-        attach(self.pub, a.plan, bind=True)
-        self.pull = self.socket(zmq.PULL, a.result, bind=True)
+        self.channel: ChannelServer | None = None
+        if is_channel(a.plan):  # the ranks on this host: plans out and results back on one channel
+            self.channel = await ChannelServer(channel_path(a.plan), data_message_bytes(cfg)).start()
+            self.pub = self.pull = self.channel
+        else:  # across hosts (or a foreign driver's ranks): ZeroMQ
+            self.pub = bus_socket(self.ctx, zmq.XPUB, data_message_bytes(cfg))
+            self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every rank's subscription, not just the first
+            self.pub.setsockopt(zmq.SNDHWM, 0)
+            self.pub.setsockopt(zmq.LINGER, 2000)
+            attach(self.pub, a.plan, bind=True)
+            self.pull = self.socket(zmq.PULL, a.result, bind=True)
         self.result_frames: list = []  # the last step result's frames (tensor frames forwarded as they are)
         info = await asyncio.wait_for(self.configured, cfg.ready_timeout_s)
         await self._wait_subscribers(cfg.num_workers)
@@ -185,7 +191,12 @@ class SchedulerActor(Actor):
         ), max_len
 
     async def _wait_subscribers(self, n: int) -> None:
-        """XPUB reports each SUB's subscription: plans sent before that would be lost."""
+        """XPUB reports each SUB's subscription (the channel each rank's arrival): plans sent
+        before that would be lost."""
+        if self.channel is not None:
+            for _ in range(n):
+                await asyncio.wait_for(self.channel.wait_join(), self.config.ready_timeout_s)
+            return
         seen = 0
         while seen < n:
             frame = await asyncio.wait_for(self.pub.recv(), self.config.ready_timeout_s)
@@ -469,6 +480,8 @@ class SchedulerActor(Actor):
         """The stats of the last steps, if any are still gathering (best effort: stopping)."""
         if hasattr(self, "publish_step"):
             self.publish_step.flush(self.stats_dropped)
+        if getattr(self, "channel", None) is not None:
+            self.channel.close()
         await super().teardown()
 
     # ------------------------------------------------------------------ the core interface (engine/stage.py)

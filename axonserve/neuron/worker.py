@@ -18,6 +18,7 @@ import os
 
 import zmq
 
+from axonserve.actors.channel import ChannelClient, channel_path, is_channel
 from axonserve.actors.runtime import Actor, attach, bus_socket, data_message_bytes
 from axonserve.neuron.heap import collapse_huge_pages, keep_heap
 from axonserve.protocol import Codec
@@ -32,9 +33,16 @@ class WorkerActor(Actor):
     async def setup(self) -> dict:
         self.rank = self.spec.rank
         keep_heap()  # before the model load: its buffers come from the heap as well
-        self.sub = self.socket(zmq.SUB, self.addresses.plan)
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.push = self.socket(zmq.PUSH, self.addresses.result) if self.rank == 0 else None
+        self.channel: ChannelClient | None = None
+        if is_channel(self.addresses.plan):  # the scheduler on this host: plans and results on one channel
+            self.channel = ChannelClient(
+                channel_path(self.addresses.plan), self.rank, data_message_bytes(self.config)
+            ).start()
+            self.sub, self.push = self.channel, self.channel if self.rank == 0 else None
+        else:
+            self.sub = self.socket(zmq.SUB, self.addresses.plan)
+            self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+            self.push = self.socket(zmq.PUSH, self.addresses.result) if self.rank == 0 else None
         world = self.config.num_workers
         if world > 1:
             from axonserve.neuron.parallel import init_process_group
@@ -149,6 +157,8 @@ class WorkerActor(Actor):
         """Write a running profile's trace; tell the sink how many records were dropped (a
         record without tensors), then close the snapshot socket (it lives on a shadow context
         the runtime does not track)."""
+        if getattr(self, "channel", None) is not None:
+            self.channel.close()
         profiler = getattr(self, "profiler", None)
         if profiler is not None:
             if profiler.active:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import tempfile
 import time
 
@@ -23,6 +24,7 @@ import zmq
 from frontends.server import serve
 from integration.test_faults import session_pids
 
+from axonserve.actors.channel import HELLO, MAX_FRAMES, message_bytes
 from axonserve.actors.runtime import (
     DATA_MESSAGE_BYTES,
     PER_IMAGE_BYTES,
@@ -270,7 +272,6 @@ def test_real_server_bus_hardening(tiny_llama_dir, monkeypatch, tmp_path):
         path = lambda name: f"ipc://{run_dir}/{name}"  # noqa: E731
         bound = {  # the socket each actor binds -> the peer kind that can reach it
             "engine": zmq.DEALER,
-            "result": zmq.PUSH,
             "stats": zmq.PUSH,
             "metrics": zmq.DEALER,
             "control": zmq.DEALER,
@@ -290,12 +291,29 @@ def test_real_server_bus_hardening(tiny_llama_dir, monkeypatch, tmp_path):
                     s.setsockopt(zmq.IDENTITY, b"scheduler")  # even impersonating an actor
                 s.connect(path(name))
                 peers[name] = s
-            sub = ctx.socket(zmq.SUB)  # the plan socket (XPUB) takes subscriptions only
-            sub.connect(path("plan"))
-            sub.setsockopt(zmq.SUBSCRIBE, b"\xff junk")
             for frames in _junk_frames():
                 for s in peers.values():
                     s.send_multipart(frames)
+            # -- the plan channel (actors/channel.py; results come back on it): junk results from a
+            # peer that said hello (logged, dropped); a message before a hello, a frame over the
+            # limit, a frame count out of bounds: that peer is disconnected, at the header
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as rank:
+                rank.settimeout(10)
+                rank.connect(f"{run_dir}/plan")
+                rank.sendall(message_bytes([HELLO, b"0"]))
+                for frames in _junk_frames():
+                    rank.sendall(message_bytes(frames))
+                for hello, bad in (
+                    (False, message_bytes([b"no hello"])),
+                    (True, struct.pack("<IQ", 1, 2**40)),  # a frame over the limit
+                    (True, struct.pack("<I", MAX_FRAMES + 1)),
+                    (True, struct.pack("<I", 0)),
+                ):
+                    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+                        raw.settimeout(10)
+                        raw.connect(f"{run_dir}/plan")
+                        raw.sendall((message_bytes([HELLO, b"1"]) if hello else b"") + bad)
+                        assert raw.recv(1) == b"", f"peer not dropped after {bad[:16]!r}"
             # -- bytes that are not ZMTP at all, on every ipc socket
             for name in [*bound, "plan"]:
                 with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:

@@ -1,0 +1,289 @@
+"""The step's hot path between the scheduler and its worker ranks on one host: multipart
+messages over a Unix stream socket that the event loop reads itself.
+
+Why not ZeroMQ here: a libzmq message crosses the sender's and the receiver's I/O threads before
+the receiving loop wakes, three thread wake-ups a hop; on this project's 2-vCPU machines a zmq
+ipc round trip costs 225-330 µs against ~30 µs for a pipe between two processes, and every step
+makes one (its plan out, its result back) on the critical path (docs/benchmarks.md#fig-bus-channel).
+Every other socket stays on ZeroMQ, and so does this path across hosts (tcp://, CURVE) and for the
+vLLM plugin's rank host.
+
+Addresses `unix://PATH`: the scheduler listens (`ChannelServer`: a plan goes to every connected
+rank, as XPUB did; each rank announces itself once connected, as a SUB's subscription did), a rank
+connects (`ChannelClient`: connects when the scheduler is there, reconnects to a replacement, its
+sends while disconnected are dropped: a new scheduler has no use for an old one's results).
+
+Wire: a message is a header (u32 frame count, then one u64 length per frame) and its frames. A
+peer that sends more than MAX_FRAMES frames or a frame over the channel's `max_bytes` is
+disconnected at the header, before its frames are buffered (libzmq's MAXMSGSIZE behaviour); the
+socket's directory is the run directory (0700), so only this user's processes can connect at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+from collections import deque
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+SCHEME = "unix://"
+MAX_FRAMES = 1 << 16  # frames in one message (a plan's images and KV blocks ride as frames)
+_COUNT = struct.Struct("<I")
+HELLO = b"axonserve-rank"  # a rank's first message: [HELLO, its rank as ASCII digits]
+_SMALL = 1 << 16  # messages up to this size are joined into one write
+
+
+def is_channel(address: str) -> bool:
+    return address.startswith(SCHEME)
+
+
+def channel_path(address: str) -> str:
+    return address[len(SCHEME) :]
+
+
+class ChannelClosed(ConnectionError):
+    """The channel was closed locally (teardown)."""
+
+
+def _header(frames: list[Any]) -> bytes:
+    n = len(frames)
+    return _COUNT.pack(n) + struct.pack(f"<{n}Q", *(memoryview(f).nbytes for f in frames))
+
+
+def message_bytes(frames: list[Any]) -> bytes:
+    """One message as it travels (a peer written in another language, or a test, sends this)."""
+    return _header(frames) + b"".join(frames)
+
+
+def _write(transport: asyncio.WriteTransport, frames: list[Any]) -> None:
+    head = _header(frames)
+    if sum(memoryview(f).nbytes for f in frames) <= _SMALL:
+        transport.write(head + b"".join(frames))
+    else:
+        transport.writelines([head, *frames])
+
+
+class _Conn(asyncio.Protocol):
+    """One connection: parses messages as their bytes arrive and hands each to `deliver`."""
+
+    def __init__(self, max_bytes: int, deliver: Any, lost: Any):
+        self.max_bytes, self.deliver, self.lost = max_bytes, deliver, lost
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.lens: tuple[int, ...] | None = None  # the current message's frame lengths (header read)
+        self.head = 0  # its header's size
+        self.want = _COUNT.size  # bytes the buffer must hold before the next parse
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.lost(self)
+
+    def send(self, frames: list[Any]) -> bool:
+        if self.transport is None or self.transport.is_closing():
+            return False
+        _write(self.transport, frames)
+        return True
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _bad(self, why: str) -> None:
+        log.warning("channel.peer_dropped", reason=why)
+        self.buf.clear()
+        self.want = 1 << 62  # parse nothing more from this peer
+        self.close()
+
+    def data_received(self, data: bytes) -> None:
+        if not self.buf and self.lens is None and self._whole(data):
+            return
+        self.buf += data
+        buf = self.buf
+        while len(buf) >= self.want:
+            if self.lens is None:
+                n = _COUNT.unpack_from(buf)[0]
+                if not 0 < n <= MAX_FRAMES:
+                    return self._bad(f"{n} frames in a message (1-{MAX_FRAMES})")
+                self.head = _COUNT.size + 8 * n
+                if len(buf) < self.head:
+                    self.want = self.head
+                    continue
+                lens = struct.unpack_from(f"<{n}Q", buf, _COUNT.size)
+                if max(lens) > self.max_bytes:
+                    return self._bad(f"a frame of {max(lens)} bytes (limit {self.max_bytes})")
+                self.lens, self.want = lens, self.head + sum(lens)
+                continue
+            with memoryview(buf) as m:
+                body = m[self.head : self.want].tobytes()
+            del buf[: self.want]
+            frames, at = [], 0
+            whole = memoryview(body)
+            for k in self.lens:
+                frames.append(whole[at : at + k])
+                at += k
+            self.lens, self.want = None, _COUNT.size
+            self.deliver(self, frames)
+
+    def _whole(self, data: bytes) -> bool:
+        """The common case, one read holding exactly one message of a few frames: its frames are
+        views of `data` (no buffering, no copy). False: anything else (parsed the general way)."""
+        if len(data) < 12:
+            return False
+        n = _COUNT.unpack_from(data)[0]
+        if not 0 < n <= 8 or len(data) < 4 + 8 * n:
+            return False
+        lens = struct.unpack_from(f"<{n}Q", data, 4)
+        at = 4 + 8 * n
+        if at + sum(lens) != len(data) or max(lens) > self.max_bytes:
+            return False
+        whole, frames = memoryview(data), []
+        for k in lens:
+            frames.append(whole[at : at + k])
+            at += k
+        self.deliver(self, frames)
+        return True
+
+
+class _Inbox:
+    """Messages received and not yet taken, and the one task waiting for the next."""
+
+    def __init__(self) -> None:
+        self.items: deque = deque()
+        self.waiter: asyncio.Future | None = None
+        self.closed = False
+
+    def put(self, item: Any) -> None:
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def get(self) -> Any:
+        while not self.items:
+            if self.closed:
+                raise ChannelClosed("channel closed")
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.items.popleft()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+
+class ChannelServer:
+    """The scheduler's end: plans to every connected rank, results (and any rank's other
+    replies) from all of them in arrival order."""
+
+    def __init__(self, path: str, max_bytes: int):
+        self.path, self.max_bytes = path, max_bytes
+        self.peers: set[_Conn] = set()  # connected and announced
+        self.inbox, self.joins = _Inbox(), _Inbox()
+        self.server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> ChannelServer:
+        if os.path.exists(self.path):  # a predecessor's (a restarted scheduler): ranks reconnect to ours
+            os.unlink(self.path)
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_unix_server(
+            lambda: _Conn(self.max_bytes, self._deliver, self.peers.discard), self.path
+        )
+        return self
+
+    def _deliver(self, conn: _Conn, frames: list) -> None:
+        if conn in self.peers:
+            self.inbox.put(frames)
+        elif len(frames) == 2 and frames[0] == HELLO:
+            self.peers.add(conn)
+            self.joins.put(bytes(frames[1]))
+        else:
+            conn._bad("no hello")
+
+    async def wait_join(self) -> bytes:
+        """The next rank to connect (its announced rank), as XPUB reported a subscription."""
+        return await self.joins.get()
+
+    async def send_multipart(self, frames: list[Any], copy: bool = False) -> None:
+        for conn in list(self.peers):
+            conn.send(frames)
+
+    async def recv_multipart(self, copy: bool = False) -> list:
+        return await self.inbox.get()
+
+    async def poll(self, timeout: int = 0) -> bool:
+        return bool(self.inbox.items)
+
+    def close(self, linger: int | None = None) -> None:
+        self.inbox.close()
+        self.joins.close()
+        for conn in list(self.peers):
+            conn.close()
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+
+class ChannelClient:
+    """A rank's end: plans from the scheduler, its replies to it. Connects once the scheduler
+    listens and again whenever it is replaced; what it sends while no scheduler is connected is
+    dropped."""
+
+    RETRY_S = 0.02
+
+    def __init__(self, path: str, rank: int, max_bytes: int):
+        self.path, self.rank, self.max_bytes = path, rank, max_bytes
+        self.conn: _Conn | None = None
+        self.inbox = _Inbox()
+        self.dropped = 0
+        self._task: asyncio.Task | None = None
+        self._closed = False
+
+    def start(self) -> ChannelClient:
+        self._task = asyncio.get_running_loop().create_task(self._connect())
+        return self
+
+    async def _connect(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            try:
+                _, conn = await loop.create_unix_connection(
+                    lambda: _Conn(self.max_bytes, lambda _c, f: self.inbox.put(f), self._lost), self.path
+                )
+            except (FileNotFoundError, ConnectionRefusedError):
+                await asyncio.sleep(self.RETRY_S)
+                continue
+            conn.send([HELLO, str(self.rank).encode()])
+            self.conn = conn
+            return
+
+    def _lost(self, conn: _Conn) -> None:
+        if conn is self.conn:
+            self.conn = None
+            if not self._closed:
+                self._task = asyncio.get_running_loop().create_task(self._connect())
+
+    async def recv_multipart(self, copy: bool = False) -> list:
+        return await self.inbox.get()
+
+    async def send_multipart(self, frames: list[Any], copy: bool = False) -> None:
+        if self.conn is None or not self.conn.send(frames):
+            self.dropped += 1
+
+    def close(self, linger: int | None = None) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+        if self.conn is not None:
+            self.conn.close()
+        self.inbox.close()
