@@ -512,7 +512,10 @@ class ModelRunner:
         for st in verify:  # the last known token's row and each draft's
             last = last_tok[st.request_id]
             rows.extend(range(last - len(drafts[st.request_id]), last + 1))
-        logits = self.model.compute_logits(hidden[torch.tensor(rows)]) if rows else None
+        if rows == list(range(len(hidden))):  # every row samples, in order (a decode-only step): no gather
+            logits = self.model.compute_logits(hidden)
+        else:
+            logits = self.model.compute_logits(hidden[torch.tensor(rows)]) if rows else None
         first = [st for st in samplers if st.kv_export and len(st.token_ids) == st.num_prompt_tokens]
         kv = [
             export_kv(
