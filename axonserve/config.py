@@ -533,7 +533,7 @@ class Addresses(msgspec.Struct, kw_only=True):
     """Bus endpoints (URLs: ipc:// on one host, tcp:// across hosts)."""
 
     control: str  # supervisor ROUTER
-    engine: str  # scheduler ROUTER (clients connect DEALERs)
+    engine: str  # scheduler ROUTER, clients' DEALERs (unix://: a routed channel, actors/channel.py)
     plan: str  # scheduler -> every worker rank (unix://: actors/channel.py; else XPUB -> SUBs)
     result: str  # worker rank 0 -> scheduler (unix://: the plan's channel; else PUSH -> PULL)
     stats: str = ""  # every actor PUSH (non-blocking) -> metrics actor PULL
@@ -547,11 +547,11 @@ class Addresses(msgspec.Struct, kw_only=True):
 
     @classmethod
     def in_dir(cls, d: str, dist_port: int = 0, channel: bool = True) -> "Addresses":
-        """Every endpoint in run directory `d`; the step's plans and results on one channel
-        (actors/channel.py) unless `channel` is False (then ZeroMQ, as everything else)."""
+        """Every endpoint in run directory `d`; the engine socket and the step's plans and results
+        on channels (actors/channel.py) unless `channel` is False (then ZeroMQ, as the rest)."""
         return cls(
             control=f"ipc://{d}/control",
-            engine=f"ipc://{d}/engine",
+            engine=f"unix://{d}/engine" if channel else f"ipc://{d}/engine",
             plan=f"unix://{d}/plan" if channel else f"ipc://{d}/plan",
             result=f"unix://{d}/plan" if channel else f"ipc://{d}/result",
             stats=f"ipc://{d}/stats",

@@ -4,14 +4,20 @@ messages over a Unix stream socket that the event loop reads itself.
 Why not ZeroMQ here: a libzmq message crosses the sender's and the receiver's I/O threads before
 the receiving loop wakes, three thread wake-ups a hop; on this project's 2-vCPU machines a zmq
 ipc round trip costs 225-330 µs against ~30 µs for a pipe between two processes, and every step
-makes one (its plan out, its result back) on the critical path (docs/benchmarks.md#fig-bus-channel).
-Every other socket stays on ZeroMQ, and so does this path across hosts (tcp://, CURVE) and for the
-vLLM plugin's rank host.
+makes one (its plan out, its result back) on the critical path, and sends its outputs to the
+clients (docs/benchmarks.md#fig-bus-channel). The control, stats and side-channel sockets stay on
+ZeroMQ, and so do these paths across hosts (tcp://, CURVE) and for the vLLM plugin's rank host.
 
-Addresses `unix://PATH`: the scheduler listens (`ChannelServer`: a plan goes to every connected
-rank, as XPUB did; each rank announces itself once connected, as a SUB's subscription did), a rank
-connects (`ChannelClient`: connects when the scheduler is there, reconnects to a replacement, its
-sends while disconnected are dropped: a new scheduler has no use for an old one's results).
+Addresses `unix://PATH`. The scheduler listens (`ChannelServer`), peers connect (`ChannelClient`,
+which connects when the server is there and again to a replacement) and announce themselves with
+a hello. Two uses:
+- plans and results: a plan goes to every connected rank (as XPUB did; the hello, carrying the
+  rank, counts as a SUB's subscription did); a rank's sends while disconnected are dropped (a new
+  scheduler has no use for an old one's results);
+- the engine socket (`routed`): a client's hello carries its identity, messages arrive as
+  [identity, frames...] and `send_multipart([identity, frames...])` answers that client, as a
+  ROUTER does with DEALERs; a client queues what it sends while disconnected (a DEALER does too:
+  nothing a client sends is lost to a scheduler restart).
 
 Wire: a message is a header (u32 frame count, then one u64 length per frame) and its frames. A
 peer that sends more than MAX_FRAMES frames or a frame over the channel's `max_bytes` is
@@ -74,6 +80,7 @@ class _Conn(asyncio.Protocol):
     def __init__(self, max_bytes: int, deliver: Any, lost: Any):
         self.max_bytes, self.deliver, self.lost = max_bytes, deliver, lost
         self.transport: asyncio.Transport | None = None
+        self.ident = b""  # what its hello announced
         self.buf = bytearray()
         self.lens: tuple[int, ...] | None = None  # the current message's frame lengths (header read)
         self.head = 0  # its header's size
@@ -176,19 +183,41 @@ class _Inbox:
                 self.waiter = None
         return self.items.popleft()
 
+    async def wait(self, timeout_ms: int) -> bool:
+        """Whether a message is waiting, after up to `timeout_ms` for one (zmq's poll)."""
+        if not self.items and timeout_ms and not self.closed:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait_for(asyncio.shield(self.waiter), timeout_ms / 1000)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self.waiter = None
+        return bool(self.items)
+
     def close(self) -> None:
         self.closed = True
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
 
-class ChannelServer:
-    """The scheduler's end: plans to every connected rank, results (and any rank's other
-    replies) from all of them in arrival order."""
+def _done() -> asyncio.Future:
+    """An awaitable that is already done: sends never wait (unbounded queues, as SNDHWM 0), and a
+    caller may await the send or drop it, as with zmq.asyncio."""
+    fut = asyncio.get_running_loop().create_future()
+    fut.set_result(None)
+    return fut
 
-    def __init__(self, path: str, max_bytes: int):
-        self.path, self.max_bytes = path, max_bytes
+
+class ChannelServer:
+    """The scheduler's end. Plans: to every connected rank; results (and any rank's other
+    replies) from all of them in arrival order. `routed` (the engine socket): messages as
+    [identity, frames...] from every client, replies to one client by its identity."""
+
+    def __init__(self, path: str, max_bytes: int, routed: bool = False):
+        self.path, self.max_bytes, self.routed = path, max_bytes, routed
         self.peers: set[_Conn] = set()  # connected and announced
+        self.by_ident: dict[bytes, _Conn] = {}  # routed: a client's connection by its identity
         self.inbox, self.joins = _Inbox(), _Inbox()
         self.server: asyncio.AbstractServer | None = None
 
@@ -196,33 +225,48 @@ class ChannelServer:
         if os.path.exists(self.path):  # a predecessor's (a restarted scheduler): ranks reconnect to ours
             os.unlink(self.path)
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_unix_server(
-            lambda: _Conn(self.max_bytes, self._deliver, self.peers.discard), self.path
-        )
+        self.server = await loop.create_unix_server(lambda: _Conn(self.max_bytes, self._deliver, self._lost), self.path)
         return self
 
     def _deliver(self, conn: _Conn, frames: list) -> None:
         if conn in self.peers:
-            self.inbox.put(frames)
+            self.inbox.put([conn.ident, *frames] if self.routed else frames)
         elif len(frames) == 2 and frames[0] == HELLO:
             self.peers.add(conn)
-            self.joins.put(bytes(frames[1]))
+            conn.ident = bytes(frames[1])
+            if self.routed:
+                self.by_ident[conn.ident] = conn  # (a reconnecting client: its new connection)
+            else:
+                self.joins.put(conn.ident)
         else:
             conn._bad("no hello")
+
+    def _lost(self, conn: _Conn) -> None:
+        self.peers.discard(conn)
+        if self.by_ident.get(conn.ident) is conn:
+            del self.by_ident[conn.ident]
 
     async def wait_join(self) -> bytes:
         """The next rank to connect (its announced rank), as XPUB reported a subscription."""
         return await self.joins.get()
 
-    async def send_multipart(self, frames: list[Any], copy: bool = False) -> None:
-        for conn in list(self.peers):
-            conn.send(frames)
+    def send_multipart(self, frames: list[Any], copy: bool = False) -> asyncio.Future:
+        """A plan to every rank; routed: frames[1:] to the client named by frames[0] (dropped
+        when it is not connected, as a ROUTER without ROUTER_MANDATORY does)."""
+        if self.routed:
+            conn = self.by_ident.get(bytes(frames[0]))
+            if conn is not None:
+                conn.send(frames[1:])
+        else:
+            for conn in list(self.peers):
+                conn.send(frames)
+        return _done()
 
     async def recv_multipart(self, copy: bool = False) -> list:
         return await self.inbox.get()
 
-    async def poll(self, timeout: int = 0) -> bool:
-        return bool(self.inbox.items)
+    async def poll(self, timeout: int = 0, flags: int = 0) -> bool:
+        return await self.inbox.wait(timeout)
 
     def close(self, linger: int | None = None) -> None:
         self.inbox.close()
@@ -235,16 +279,19 @@ class ChannelServer:
 
 
 class ChannelClient:
-    """A rank's end: plans from the scheduler, its replies to it. Connects once the scheduler
-    listens and again whenever it is replaced; what it sends while no scheduler is connected is
-    dropped."""
+    """A peer's end (a rank, or an engine client): messages from the scheduler, its own to it.
+    Connects once the scheduler listens and again whenever it is replaced; what it sends while
+    no scheduler is connected is dropped (a rank) or queued for the next one (`queue`: a client).
+    `ident`: what the hello announces (a rank's number, a client's identity)."""
 
     RETRY_S = 0.02
 
-    def __init__(self, path: str, rank: int, max_bytes: int):
-        self.path, self.rank, self.max_bytes = path, rank, max_bytes
+    def __init__(self, path: str, ident: int | bytes, max_bytes: int, queue: bool = False):
+        self.path, self.max_bytes, self.queue = path, max_bytes, queue
+        self.ident = ident if isinstance(ident, bytes) else str(ident).encode()
         self.conn: _Conn | None = None
         self.inbox = _Inbox()
+        self.pending: list[list[bytes]] = []  # queue: sent while disconnected, for the next connection
         self.dropped = 0
         self._task: asyncio.Task | None = None
         self._closed = False
@@ -263,7 +310,10 @@ class ChannelClient:
             except (FileNotFoundError, ConnectionRefusedError):
                 await asyncio.sleep(self.RETRY_S)
                 continue
-            conn.send([HELLO, str(self.rank).encode()])
+            conn.send([HELLO, self.ident])
+            for frames in self.pending:
+                conn.send(frames)
+            self.pending.clear()
             self.conn = conn
             return
 
@@ -276,9 +326,16 @@ class ChannelClient:
     async def recv_multipart(self, copy: bool = False) -> list:
         return await self.inbox.get()
 
-    async def send_multipart(self, frames: list[Any], copy: bool = False) -> None:
+    def send_multipart(self, frames: list[Any], copy: bool = False) -> asyncio.Future:
         if self.conn is None or not self.conn.send(frames):
-            self.dropped += 1
+            if self.queue and not self._closed:
+                self.pending.append([bytes(f) for f in frames])  # (the caller's buffers may change)
+            else:
+                self.dropped += 1
+        return _done()
+
+    async def poll(self, timeout: int = 0, flags: int = 0) -> bool:
+        return await self.inbox.wait(timeout)
 
     def close(self, linger: int | None = None) -> None:
         self._closed = True

@@ -164,11 +164,11 @@ class Actor:
 
     async def messages(self, sock: zmq.asyncio.Socket, codec: Codec, what: str, routed: bool = False):
         """Decoded messages from `sock` forever: (message, frames[, sender identity]). Junk is
-        logged and dropped. `routed`: a ROUTER socket (frame 0 is the sender; frames start
+        logged and dropped. `routed`: a ROUTER socket or a routed channel (frame 0 is the sender; frames start
         after it, so TensorRef indexes stay relative to the body)."""
         while True:
             frames = await sock.recv_multipart(copy=False)
-            sender = frames[0].bytes if routed else b""
+            sender = (frames[0].bytes if hasattr(frames[0], "bytes") else bytes(frames[0])) if routed else b""
             if routed:
                 frames = frames[1:]
             try:

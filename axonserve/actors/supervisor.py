@@ -98,7 +98,7 @@ class Supervisor:
         dist_port = 0
         while config.num_workers > 1 and dist_port in (0, config.port):  # not the HTTP port
             dist_port = free_port()
-        # (a foreign driver binds the ranks' plan and result sockets with ZeroMQ)
+        # (a foreign driver binds the ranks' plan and result sockets with ZeroMQ; it has no engine socket)
         self.addresses = Addresses.in_dir(self.run_dir, dist_port, channel=not workers_only)
         # a tcp bus (actors on other machines can reach it): CURVE on every socket, keys per launch,
         # handed to children in their environment (`bus_env`), never on argv

@@ -82,8 +82,13 @@ class SchedulerActor(Actor):
 
     async def setup(self) -> dict:
         a, cfg = self.addresses, self.config
-        self.router = self.socket(zmq.ROUTER, a.engine, bind=True)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.engine_channel: ChannelServer | None = None
+        if is_channel(a.engine):  # clients on this host: the frontend, an LLM, bench step
+            self.engine_channel = ChannelServer(channel_path(a.engine), data_message_bytes(cfg), routed=True)
+            self.router = await self.engine_channel.start()
+        else:
+            self.router = self.socket(zmq.ROUTER, a.engine, bind=True)
+            self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.channel: ChannelServer | None = None
         if is_channel(a.plan):  # the ranks on this host: plans out and results back on one channel
             self.channel = await ChannelServer(channel_path(a.plan), data_message_bytes(cfg)).start()
@@ -480,8 +485,9 @@ class SchedulerActor(Actor):
         """The stats of the last steps, if any are still gathering (best effort: stopping)."""
         if hasattr(self, "publish_step"):
             self.publish_step.flush(self.stats_dropped)
-        if getattr(self, "channel", None) is not None:
-            self.channel.close()
+        for ch in (getattr(self, "channel", None), getattr(self, "engine_channel", None)):
+            if ch is not None:
+                ch.close()
         await super().teardown()
 
     # ------------------------------------------------------------------ the core interface (engine/stage.py)

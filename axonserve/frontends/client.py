@@ -3,7 +3,8 @@
 Over 500 lines: the whole client side of the engine protocol (requests, fan-out, streams,
 embeddings, stats, profiler, the reader and the watchdog) shares its routing state.
 
-One DEALER socket to the scheduler's ROUTER. A single reader task decodes every incoming
+One DEALER socket to the scheduler's ROUTER (on one host a routed channel, actors/channel.py, that
+behaves as one). A single reader task decodes every incoming
 frame and appends each `RequestDelta` to its request's inbox (`_Request.push`), waking the
 request's consumer at most once per message; `generate()` consumers drain everything queued in
 one wake-up, detokenize and apply stop strings themselves, so that work is spread over the
@@ -32,7 +33,8 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from axonserve.actors.runtime import attach, bus_socket
+from axonserve.actors.channel import ChannelClient, channel_path, is_channel
+from axonserve.actors.runtime import DATA_MESSAGE_BYTES, attach, bus_socket
 from axonserve.frontends.detokenizer import IncrementalDetokenizer
 from axonserve.frontends.tokenizer import Tokenizer
 from axonserve.multimodal.frontend import PromptImages
@@ -219,14 +221,20 @@ class AsyncEngineClient:
             if tokenizer is None and model_hint
             else None
         )
-        ctx = ctx or zmq.asyncio.Context()
-        sock = bus_socket(ctx, zmq.DEALER)  # frames over the bus limit are refused
-        sock.setsockopt(zmq.IDENTITY, b"c-" + uuid.uuid4().hex[:12].encode())
-        sock.setsockopt(zmq.LINGER, 1000)  # let final aborts leave on close
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        identity = b"c-" + uuid.uuid4().hex[:12].encode()
+        if is_channel(address):  # an engine on this host (actors/channel.py); nothing to term
+            own_ctx, ctx = False, None
+            sock: Any = ChannelClient(channel_path(address), identity, DATA_MESSAGE_BYTES, queue=True).start()
+        else:
+            ctx = ctx or zmq.asyncio.Context()
+            sock = bus_socket(ctx, zmq.DEALER)  # frames over the bus limit are refused
+            sock.setsockopt(zmq.IDENTITY, identity)
+            sock.setsockopt(zmq.LINGER, 1000)  # let final aborts leave on close
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
         try:
-            attach(sock, address)  # a CURVE client on tcp:// (BusKeysMissing without keys)
+            if ctx is not None:
+                attach(sock, address)  # a CURVE client on tcp:// (BusKeysMissing without keys)
             info = await asyncio.wait_for(_fetch_info(sock), timeout)
             if early is not None and info.model == model_hint:
                 tokenizer = await early
@@ -236,7 +244,7 @@ class AsyncEngineClient:
             if early is not None and not early.done():
                 early.cancel()  # the thread finishes on its own; nobody waits for it
             sock.close(linger=0)
-            if own_ctx:
+            if own_ctx and ctx is not None:
                 ctx.term()
             if isinstance(e, asyncio.TimeoutError):
                 raise TimeoutError(f"no EngineInfo from {address} within {timeout:.0f}s") from None

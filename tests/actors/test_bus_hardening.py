@@ -270,8 +270,7 @@ def test_real_server_bus_hardening(tiny_llama_dir, monkeypatch, tmp_path):
 
         run_dir = os.path.join(run_parent, os.listdir(run_parent)[0])
         path = lambda name: f"ipc://{run_dir}/{name}"  # noqa: E731
-        bound = {  # the socket each actor binds -> the peer kind that can reach it
-            "engine": zmq.DEALER,
+        bound = {  # the ZeroMQ socket each actor binds -> the peer kind that can reach it
             "stats": zmq.PUSH,
             "metrics": zmq.DEALER,
             "control": zmq.DEALER,
@@ -294,28 +293,31 @@ def test_real_server_bus_hardening(tiny_llama_dir, monkeypatch, tmp_path):
             for frames in _junk_frames():
                 for s in peers.values():
                     s.send_multipart(frames)
-            # -- the plan channel (actors/channel.py; results come back on it): junk results from a
-            # peer that said hello (logged, dropped); a message before a hello, a frame over the
-            # limit, a frame count out of bounds: that peer is disconnected, at the header
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as rank:
-                rank.settimeout(10)
-                rank.connect(f"{run_dir}/plan")
-                rank.sendall(message_bytes([HELLO, b"0"]))
-                for frames in _junk_frames():
-                    rank.sendall(message_bytes(frames))
+            # -- the channels (actors/channel.py): plans and results, and the engine socket. Junk
+            # from a peer that said hello (logged, dropped: "worker rank 0 reply", "client
+            # message"); a message before a hello, a frame over the limit, a frame count out of
+            # bounds: that peer is disconnected, at the header
+            for name, hello_id in (("plan", b"0"), ("engine", b"c-junk")):
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as peer:
+                    peer.settimeout(10)
+                    peer.connect(f"{run_dir}/{name}")
+                    peer.sendall(message_bytes([HELLO, hello_id]))
+                    for frames in _junk_frames():
+                        peer.sendall(message_bytes(frames))
                 for hello, bad in (
                     (False, message_bytes([b"no hello"])),
+                    (False, b"GET / HTTP/1.0\r\n\r\n" + os.urandom(4096)),
                     (True, struct.pack("<IQ", 1, 2**40)),  # a frame over the limit
                     (True, struct.pack("<I", MAX_FRAMES + 1)),
                     (True, struct.pack("<I", 0)),
                 ):
                     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
                         raw.settimeout(10)
-                        raw.connect(f"{run_dir}/plan")
+                        raw.connect(f"{run_dir}/{name}")
                         raw.sendall((message_bytes([HELLO, b"1"]) if hello else b"") + bad)
-                        assert raw.recv(1) == b"", f"peer not dropped after {bad[:16]!r}"
+                        assert raw.recv(1) == b"", f"{name}: peer not dropped after {bad[:16]!r}"
             # -- bytes that are not ZMTP at all, on every ipc socket
-            for name in [*bound, "plan"]:
+            for name in bound:
                 with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
                     raw.settimeout(5)
                     raw.connect(f"{run_dir}/{name}")

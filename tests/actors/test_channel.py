@@ -144,3 +144,29 @@ async def test_closing_ends_a_waiting_receive(path):
         await asyncio.wait_for(waiting, WAIT)
     with socket.socket(socket.AF_UNIX) as s:  # nobody listens any more
         assert s.connect_ex(path) != 0
+
+
+async def test_routed_replies_reach_one_client_and_a_client_queues_until_connected(path):
+    early = ChannelClient(path, b"c-early", LIMIT, queue=True).start()  # before the server listens
+    await early.send_multipart([b"sent while nobody listened"])
+    await asyncio.sleep(0.05)
+    server = await ChannelServer(path, LIMIT, routed=True).start()
+    late = ChannelClient(path, b"c-late", LIMIT, queue=True).start()
+    try:
+        got = await asyncio.wait_for(server.recv_multipart(), WAIT)
+        assert [bytes(f) for f in got] == [b"c-early", b"sent while nobody listened"]
+        await late.send_multipart([b"hi"])
+        got = await asyncio.wait_for(server.recv_multipart(), WAIT)
+        assert [bytes(f) for f in got] == [b"c-late", b"hi"]
+        await server.send_multipart([b"c-late", b"for late"])
+        await server.send_multipart([b"c-nobody", b"dropped"])  # no such client: dropped
+        await server.send_multipart([b"c-early", b"for early"])
+        assert [bytes(f) for f in await asyncio.wait_for(late.recv_multipart(), WAIT)] == [b"for late"]
+        assert [bytes(f) for f in await asyncio.wait_for(early.recv_multipart(), WAIT)] == [b"for early"]
+        assert not await late.poll(50) and not await early.poll(0)
+        await server.send_multipart([b"c-late", b"polled"])
+        assert await late.poll(int(WAIT * 1000))
+    finally:
+        early.close()
+        late.close()
+        server.close()

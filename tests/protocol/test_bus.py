@@ -10,6 +10,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from axonserve.actors.channel import ChannelClient
 from axonserve.actors.supervisor import Supervisor
 from axonserve.config import EngineConfig
 from axonserve.frontends.client import AsyncEngineClient
@@ -54,8 +55,9 @@ async def test_junk_on_engine_and_control_sockets_is_dropped(tiny_llama_dir):
     await sup.start()
     ctx = zmq.asyncio.Context()
     try:
-        junk_engine = ctx.socket(zmq.DEALER)
-        junk_engine.connect(sup.addresses.engine)
+        assert sup.addresses.engine.startswith("unix://")  # the engine socket: a routed channel
+        engine_path = sup.addresses.engine.removeprefix("unix://")
+        junk_engine = ChannelClient(engine_path, b"c-junk", 1 << 20, queue=True).start()
         junk_control = ctx.socket(zmq.DEALER)
         junk_control.setsockopt(zmq.IDENTITY, b"scheduler")  # even impersonating an actor
         junk_control.connect(sup.addresses.control)
@@ -69,6 +71,8 @@ async def test_junk_on_engine_and_control_sockets_is_dropped(tiny_llama_dir):
             await junk_engine.send_multipart(frames)
             await junk_control.send_multipart(frames)
         await asyncio.sleep(0.5)
+        assert junk_engine.conn is not None and not junk_engine.pending  # (connected: all sent)
+        junk_engine.close()
         assert all(c.proc.poll() is None for c in sup.children.values())
         client = await AsyncEngineClient.connect(sup.addresses.engine, timeout=30)
         try:
