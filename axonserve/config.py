@@ -290,8 +290,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # bus: the largest frame a data socket accepts (ZMQ_MAXMSGSIZE; larger: the sender is
     # disconnected). 0: max(1 GiB, 128 MiB x max_images_per_request) (actors/runtime.py)
     max_bus_message_bytes: int = 0
-    # bus transport: ipc = unix sockets in a 0700 run directory (one machine; plans and results on
-    # the plan channel, actors/channel.py, everything else ZeroMQ ipc://); tcp = every endpoint
+    # bus transport: ipc = unix sockets in a 0700 run directory (one machine; the engine socket,
+    # plans and results on channels, actors/channel.py, the rest ZeroMQ ipc://); tcp = every endpoint
     # tcp://bus_host:<free port> (`Addresses.tcp`: what actors on other machines need), every socket
     # CURVE-authenticated with keys made per launch (actors/security.py). bus_host: the address the
     # launcher's node binds and advertises (an IP address of this machine, not a wildcard)
@@ -530,7 +530,7 @@ def engine_of(name: str) -> int:
 
 
 class Addresses(msgspec.Struct, kw_only=True):
-    """Bus endpoints (URLs: ipc:// on one host, tcp:// across hosts)."""
+    """Bus endpoints (URLs: unix:// channels and ipc:// on one host, tcp:// across hosts)."""
 
     control: str  # supervisor ROUTER
     engine: str  # scheduler ROUTER, clients' DEALERs (unix://: a routed channel, actors/channel.py)
