@@ -48,20 +48,34 @@ def main() -> None:
     p.add_argument("--context", type=int, default=160)
     p.add_argument("--prefill", type=int, default=0, help="one prompt of this many tokens instead of decodes")
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--prefix-len", type=int, default=0, help="decode rows share this many leading keys (whole blocks)")
+    p.add_argument("--prefix-groups", type=int, default=1, help="distinct shared prefixes (row i: prefix i %% groups)")
     args = p.parse_args()
     torch.manual_seed(0)
     mods = {"this": native.for_dtype(torch.bfloat16), "base": load_module(args.base)}
     seqs, rows = (1, args.prefill) if args.prefill else (args.rows, args.rows)
     query_lens, context_lens = ([rows], [0]) if args.prefill else ([1] * rows, [args.context] * rows)
     per = -(-(context_lens[0] + query_lens[0]) // BS)
-    k_cache = torch.randn(per * seqs * LAYERS, BS, HKV, D, dtype=torch.bfloat16)
+    shared = min(args.prefix_len // BS, per - 1) if not args.prefill else 0  # blocks a group's rows share
+    groups = max(1, args.prefix_groups) if shared else 0
+    blocks = groups * shared + seqs * (per - shared)  # a layer's
+    k_cache = torch.randn(blocks * LAYERS, BS, HKV, D, dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(rows, HQ, D, dtype=torch.bfloat16)
     k, v = torch.randn(rows, HKV, D, dtype=torch.bfloat16), torch.randn(rows, HKV, D, dtype=torch.bfloat16)
     tables = []
     for layer in range(LAYERS):
-        perm = (torch.randperm(per * seqs) + layer * per * seqs).tolist()
-        tables.append([perm[i * per : (i + 1) * per] for i in range(seqs)])
+        perm = (torch.randperm(blocks) + layer * blocks).tolist()
+        prefixes, own = perm[: groups * shared], perm[groups * shared :]
+        own_n = per - shared  # row i: its group's (i % groups) prefix blocks, then its own
+        tables.append(
+            [
+                prefixes[(i % groups) * shared : (i % groups + 1) * shared] + own[i * own_n : (i + 1) * own_n]
+                for i in range(seqs)
+            ]
+            if shared
+            else [perm[i * per : (i + 1) * per] for i in range(seqs)]
+        )
     metas = {
         name: [
             AttentionMetadata.build(query_lens, context_lens, t, BS, native=m, native_chunks=bool(args.prefill))
@@ -79,6 +93,8 @@ def main() -> None:
                 paged_attention(q, k, v, k_cache, v_cache, meta, D**-0.5, False)
             ms[name].append((time.perf_counter() - t) / LAYERS * 1e3)
     shape = f"one {rows}-token prompt" if args.prefill else f"{rows} rows x {args.context + 1} keys"
+    if shared:
+        shape += f", the first {shared * BS} shared by the rows of each of {groups} group(s)"
     print(f"{shape}, {torch.get_num_threads()} threads, {args.rounds} rounds")
     for name, xs in ms.items():
         print(f"  {name}: {statistics.median(xs):.3f} ms a layer [{min(xs):.3f}, {max(xs):.3f}]")

@@ -65,6 +65,72 @@ def test_silu_and_mul(dtype, inter, rows):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, equal_nan=True)
 
 
+@pytest.mark.skipif(not (K is not None and K.amx_attention(64)), reason="no AMX tiles on this CPU")
+@pytest.mark.parametrize("head_dim", [64, 32])
+@pytest.mark.parametrize("bs", [16, 4])
+@pytest.mark.parametrize("peaky", [False, True])
+def test_decodes_sharing_a_prefix(head_dim, bs, peaky):
+    """Decode rows whose tables share their first blocks (prefix caching) take the shared keys once
+    on AMX tiles and their own after them on the per-row kernel (csrc/amx_attention.h, shared
+    prefixes). Groups: 5 rows on a 300-key prefix (past the 256-key chunk, tiles of 16 vectors and
+    a partial one), 3 rows on 128 keys (the least taken) whose tables part after it, 4 rows on a
+    64-key prefix (too short: stays per row), a row whose own keys all sit in one block, and lone rows. Each
+    row must equal that row attended alone (the per-row kernel) within one bf16 ulp, and be as
+    close to float32 attention as the per-row kernel is. peaky: large scores, so a row's maximum
+    is in its prefix for some rows and in its own keys for others."""
+    g = _gen(11)
+    blocks, hkv, hq = 2048, 2, 6
+    k_cache = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(torch.bfloat16)
+    perm = iter(torch.randperm(blocks, generator=g).tolist())
+    take = lambda n: [next(perm) for _ in range(n)]  # noqa: E731
+    tables, kv_lens = [], []
+
+    def group(prefix: int, own: list[int]) -> None:
+        shared = take(prefix // bs)
+        for n in own:  # keys after the prefix, this token's included
+            tables.append(shared + take(-(-n // bs)))
+            kv_lens.append(prefix + n)
+
+    group(300 - 300 % bs, [1, 40, 17, 90, 3])
+    group(128, [50, 9, 33])
+    group(64, [20, 7, 5, 9])
+    for n in (5, 130, 1):
+        tables.append(take(-(-n // bs)))
+        kv_lens.append(n)
+    order = torch.randperm(len(tables), generator=g).tolist()  # groups interleaved in the batch
+    tables, kv_lens = [tables[i] for i in order], [kv_lens[i] for i in order]
+    rows = len(tables)
+    q, k, v = (torch.randn(rows, h, head_dim, generator=g).to(torch.bfloat16) for h in (hq, hkv, hkv))
+    if peaky:
+        q = (q.float() * 8).to(torch.bfloat16)
+    scale = head_dim**-0.5
+    ctx = [n - 1 for n in kv_lens]
+    meta = AttentionMetadata.build([1] * rows, ctx, tables, bs, native=K)
+    got = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, scale)
+    alone = torch.cat(
+        [
+            paged_attention(
+                q[i : i + 1],
+                k[i : i + 1],
+                v[i : i + 1],
+                k_cache.clone(),
+                v_cache.clone(),
+                AttentionMetadata.build([1], [ctx[i]], [tables[i]], bs, native=K),
+                scale,
+            )
+            for i in range(rows)
+        ]
+    )
+    torch_meta = AttentionMetadata.build([1] * rows, ctx, tables, bs)
+    ref = paged_attention(q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), torch_meta, scale)
+    ulp = alone.float().abs() * 2**-7 + 1e-5  # one bf16 ulp (8 significant bits; near 0: cancellation's)
+    bad = (got.float() - alone.float()).abs() > ulp
+    assert not bad.any(), (bad.nonzero()[:5].tolist(), got.float()[bad][:5], alone.float()[bad][:5])
+    err, alone_err = (got.float() - ref).abs().max().item(), (alone.float() - ref).abs().max().item()
+    assert err <= alone_err * 1.01 + 1e-6, (err, alone_err)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 24])  # vector path, scalar path
 @pytest.mark.parametrize("t", [5, 200])

@@ -70,7 +70,11 @@ template <int ND32>
 void pack_kv(const bf16* kc, const bf16* vc, const int64_t* off, int64_t L, uint16_t* kt, uint16_t* vp) {
   constexpr int D = 32 * ND32, NDB = D / 16;
   const int64_t nb16 = (L + 15) / 16, nb32 = (L + 31) / 32;
-  for (int64_t b = 0; b < nb16; ++b)
+  constexpr int64_t LINES = D * 2 / 64, KEY_AHEAD = 64;  // cache lines a key row; keys requested ahead
+  for (int64_t b = 0; b < nb16; ++b) {
+    // the keys come from blocks scattered over the cache: the next block's rows are requested now
+    if (b == 0) prefetch_rows<_MM_HINT_T0>(kc, off, 16, std::min<int64_t>(L, KEY_AHEAD), LINES);
+    prefetch_rows<_MM_HINT_T0>(kc, off, std::min(L, b * 16 + KEY_AHEAD), std::min(L, b * 16 + 16 + KEY_AHEAD), LINES);
     for (int c = 0; c < ND32; ++c) {  // 16 keys x 16 dim pairs, transposed as 32-bit words
       __m512i r[16];
       for (int n = 0; n < 16; ++n)
@@ -78,14 +82,17 @@ void pack_kv(const bf16* kc, const bf16* vc, const int64_t* off, int64_t L, uint
       transpose16(r);
       for (int kp = 0; kp < 16; ++kp) _mm512_storeu_si512(kt + ((b * ND32 + c) * 16 + kp) * 32, r[kp]);
     }
+  }
   // two key rows -> their dims interleaved: lanes (2n, 2n+1) of a tile row = dim 16 db + n of keys 2kp, 2kp+1
   alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   const __m512i lo = _mm512_load_si512(lo_idx), step = _mm512_set1_epi16(16);
   const __m512i zero = _mm512_setzero_si512();
+  prefetch_rows<_MM_HINT_T0>(vc, off, 0, std::min<int64_t>(L, KEY_AHEAD), LINES);
   for (int64_t b = 0; b < nb32; ++b)
     for (int kp = 0; kp < 16; ++kp) {
       const int64_t t0 = b * 32 + 2 * kp, t1 = t0 + 1;
+      if (t0 + KEY_AHEAD + 1 < L) prefetch_rows<_MM_HINT_T0>(vc, off, t0 + KEY_AHEAD, t0 + KEY_AHEAD + 2, LINES);
       for (int h = 0; h < ND32; ++h) {  // 32 dims at a time
         const __m512i x0 = t0 < L ? _mm512_loadu_si512(vc + off[t0] + 32 * h) : zero;
         const __m512i x1 = t1 < L ? _mm512_loadu_si512(vc + off[t1] + 32 * h) : zero;
@@ -137,9 +144,10 @@ inline void s_block(const uint16_t* kb, float* S) {
 }
 
 // O (tiles 0..3, loaded from and stored back to obuf [16 x D] float32) += P V over np blocks of 32
-// keys; P in tiles 6 / 7 alternately, V in 4 / 5.
-template <int NDB>
-inline void pv_blocks(const bf16* P, const uint16_t* vb, int64_t np, float* obuf) {
+// keys; P in tiles 6 / 7 alternately, V in 4 / 5. SPLIT: P is two bf16 parts, P (tile 6) and P2
+// (its rounding error, tile 7), each multiplied by V: P to ~2^-17, about float32's own precision.
+template <int NDB, bool SPLIT = false>
+inline void pv_blocks(const bf16* P, const uint16_t* vb, int64_t np, float* obuf, const bf16* P2 = nullptr) {
   constexpr int64_t OS = NDB * 64;  // obuf row stride, bytes
   _tile_loadd(0, obuf, OS);
   _tile_loadd(1, obuf + 16, OS);
@@ -161,9 +169,23 @@ inline void pv_blocks(const bf16* P, const uint16_t* vb, int64_t np, float* obuf
       _tile_dpbf16ps(3, PT, 5);        \
     }                                  \
   }
+#define AXON_PV_SPLIT(O, VT, AT)       \
+  _tile_loadd(VT, vb + AT, 64);        \
+  _tile_dpbf16ps(O, 6, VT);            \
+  _tile_dpbf16ps(O, 7, VT);
   for (int64_t b = 0; b < np; ++b, vb += NDB * 512) {  // (tile numbers are immediates)
-    if (b & 1) AXON_PV_BLOCK(7) else AXON_PV_BLOCK(6)
+    if constexpr (SPLIT) {
+      _tile_loadd(6, P + b * 32, KV_CHUNK * 2);
+      _tile_loadd(7, P2 + b * 32, KV_CHUNK * 2);
+      AXON_PV_SPLIT(0, 4, 0)
+      AXON_PV_SPLIT(1, 5, 512)
+      if (NDB > 2) {
+        AXON_PV_SPLIT(2, 4, 1024)
+        AXON_PV_SPLIT(3, 5, 1536)
+      }
+    } else if (b & 1) AXON_PV_BLOCK(7) else AXON_PV_BLOCK(6)
   }
+#undef AXON_PV_SPLIT
 #undef AXON_PV_BLOCK
   _tile_stored(0, obuf, OS);
   _tile_stored(1, obuf + 16, OS);
@@ -173,22 +195,25 @@ inline void pv_blocks(const bf16* P, const uint16_t* vb, int64_t np, float* obuf
   }
 }
 
-// One tile: query rows row0 .. row0 + nq - 1 (nq <= 16) of query head h, whose last attends to Lt keys.
-template <int ND32>
-void amx_attend_tile(const AttnArgs& a, const bf16* qp, bf16* op, const uint16_t* kt, const uint16_t* vp,
-                     int64_t row0, int64_t nq, int64_t h, float* S, bf16* P, float* obuf, bf16* qbuf) {
+// the bf16 values of x's low / high 256 bits as float32
+inline __m512 bf16_lo_ps(__m512i x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(x)), 16));
+}
+inline __m512 bf16_hi_ps(__m512i x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(x, 1)), 16));
+}
+
+// Flash attention of one tile of 16 query rows (qbuf, bf16 [16 x D]; row j attends to its first
+// kvl[j] keys, Lt the most of them) against packed K / V: leaves the unnormalized output in obuf
+// (float32 [16 x D]), each row's running max in base-2 units (score x scale x log2 e) in m and its
+// sum of exponentials in l. SPLIT: P V with P in two bf16 parts (pv_blocks), for the shared
+// prefixes of decode rows, whose outputs the per-row kernel finishes in float32.
+template <int ND32, bool SPLIT = false>
+void amx_flash(const AttnArgs& a, const uint16_t* kt, const uint16_t* vp, const int64_t* kvl, int64_t Lt,
+               const bf16* qbuf, float* S, bf16* P, bf16* P2, float* obuf, float* m, float* l) {
   constexpr int D = 32 * ND32, NDB = D / 16;
   const float c = a.scale * 1.44269504088896341f;  // scores in base-2 units
-  int64_t kvl[16];
-  for (int j = 0; j < 16; ++j) kvl[j] = a.kvl[row0 + std::min<int64_t>(j, nq - 1)];
-  const int64_t Lt = kvl[15];
-  for (int j = 0; j < 16; ++j) {
-    const bf16* src = qp + (row0 + j) * a.q_rs + h * a.q_hs;
-    for (int d = 0; d < D; d += 32)
-      _mm512_storeu_si512(qbuf + j * D + d, j < nq ? _mm512_loadu_si512(src + d) : _mm512_setzero_si512());
-  }
   std::memset(obuf, 0, 16 * D * sizeof(float));
-  float m[16], l[16];
   for (int j = 0; j < 16; ++j) { m[j] = -INFINITY; l[j] = 0.f; }
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
   _tile_loadd(6, qbuf, D * 2);
@@ -209,6 +234,13 @@ void amx_attend_tile(const AttnArgs& a, const bf16* qp, bf16* op, const uint16_t
     for (int j = 0; j < 16; ++j) {  // the softmax over this chunk, row by row (lanes = keys)
       const float* s = Sc + j * KV_CHUNK;
       bf16* p = P + j * KV_CHUNK;
+      auto store_p = [&](bf16* at, __m512 p0, __m512 p1) {  // 32 probabilities as bf16 (SPLIT: their rest in P2)
+        const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+        _mm512_storeu_si512(at, hi);
+        if constexpr (SPLIT)
+          _mm512_storeu_si512(P2 + (at - P), (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(p1, bf16_hi_ps(hi)),
+                                                                          _mm512_sub_ps(p0, bf16_lo_ps(hi))));
+      };
       const int64_t valid = std::max<int64_t>(0, std::min(nk, kvl[j] - k0)), full = valid & ~int64_t(31);
       __m512 vmax = ninf, vmax1 = ninf;
       for (int64_t z = 0; z < full; z += 32) {
@@ -232,7 +264,7 @@ void amx_attend_tile(const AttnArgs& a, const bf16* qp, bf16* op, const uint16_t
         const __m512 p1 = exp2_neg(_mm512_fmadd_ps(_mm512_loadu_ps(s + z + 16), cc, mm));
         sum = _mm512_add_ps(sum, p0);
         sum1 = _mm512_add_ps(sum1, p1);
-        _mm512_storeu_si512(p + z, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        store_p(p + z, p0, p1);
       }
       sum = _mm512_add_ps(sum, sum1);
       for (int64_t z = full; z < np * 32; z += 32) {  // the block the row's last key is in, and masked ones
@@ -243,18 +275,34 @@ void amx_attend_tile(const AttnArgs& a, const bf16* qp, bf16* op, const uint16_t
         const __m512 p1 =
             _mm512_maskz_mov_ps(k1m, exp2_neg(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(k1m, s + z + 16), cc, mm)));
         sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-        _mm512_storeu_si512(p + z, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        store_p(p + z, p0, p1);
       }
       l[j] = l[j] * alpha + _mm512_reduce_add_ps(sum);
       m[j] = mnew;
       if (j < nb_next) s_block<ND32>(kn + j * ND32 * 512, Sn + j * 16);
     }
-    pv_blocks<NDB>(P, vp + (k0 / 32) * NDB * 512, np, obuf);  // O += P V (tiles 0..7)
+    pv_blocks<NDB, SPLIT>(P, vp + (k0 / 32) * NDB * 512, np, obuf, P2);  // O += P V (tiles 0..7)
     if (nb_next) {
       _tile_loadd(6, qbuf, D * 2);
       if (ND32 == 2) _tile_loadd(7, qbuf + 32, D * 2);
     }
   }
+}
+
+// One tile: query rows row0 .. row0 + nq - 1 (nq <= 16) of query head h, whose last attends to Lt keys.
+template <int ND32>
+void amx_attend_tile(const AttnArgs& a, const bf16* qp, bf16* op, const uint16_t* kt, const uint16_t* vp,
+                     int64_t row0, int64_t nq, int64_t h, float* S, bf16* P, float* obuf, bf16* qbuf) {
+  constexpr int D = 32 * ND32;
+  int64_t kvl[16];
+  for (int j = 0; j < 16; ++j) kvl[j] = a.kvl[row0 + std::min<int64_t>(j, nq - 1)];
+  for (int j = 0; j < 16; ++j) {
+    const bf16* src = qp + (row0 + j) * a.q_rs + h * a.q_hs;
+    for (int d = 0; d < D; d += 32)
+      _mm512_storeu_si512(qbuf + j * D + d, j < nq ? _mm512_loadu_si512(src + d) : _mm512_setzero_si512());
+  }
+  float m[16], l[16];
+  amx_flash<ND32>(a, kt, vp, kvl, kvl[15], qbuf, S, P, nullptr, obuf, m, l);
   for (int64_t j = 0; j < nq; ++j) {
     const __m512 inv = _mm512_set1_ps(1.f / l[j]);
     bf16* o = op + (row0 + j) * a.o_rs + h * a.o_hs;
@@ -340,4 +388,103 @@ std::vector<int64_t> amx_attend_runs(const AttnArgs& a, const bf16* qp, bf16* op
     _tile_release();
   });
   return rest;
+}
+
+// ------------------------------------------------------------------ shared prefixes of decode rows
+// Rows whose sequences share their first KV blocks (prefix caching: requests with one system
+// prompt; the n samples of one prompt) read those keys once for all of them instead of once a
+// row: per (group of rows, KV head) the prefix is packed once and its query vectors (the group's
+// rows x G heads) go through amx_flash in tiles of 16, as a prompt's rows do. What comes out is
+// each (row, query head)'s unnormalized prefix output, its max and its sum (`state`: [R, Hq, D + 2]
+// float32); the per-row kernel then attends to the row's own keys after the prefix (AttnArgs'
+// pre_len) and merges the two (softmax_inplace with m0, l0). P V takes P in two bf16 parts, so the result is
+// attention at float32 precision, as the per-row kernel computes it (in another summation order).
+// docs/benchmarks.md#fig-shared-prefix.
+constexpr int64_t PREFIX_MIN_KEYS = 128;   // a shorter common prefix stays on the per-row kernel (64: 1.09x slower)
+constexpr int64_t PREFIX_MIN_QUERIES = 8;  // query vectors (rows x G) a group needs to fill a tile enough
+
+// `rows`: the rows the per-row kernel takes. Groups of rows on one first block whose tables agree
+// on P >= PREFIX_MIN_KEYS keys, each row keeping at least one key of its own after them.
+std::vector<PrefixGroup> shared_prefix_groups(const AttnArgs& a, const std::vector<int64_t>& rows) {
+  const int64_t nrows = rows.size();
+  std::vector<std::pair<int64_t, int64_t>> by(nrows);  // (first block, row); rows under one block apart
+  for (int64_t i = 0; i < nrows; ++i) {
+    const int64_t r = rows[i];
+    by[i] = {a.kvl[r] > a.bs ? a.bt[a.seq[r] * a.W] : -1 - r, r};
+  }
+  std::sort(by.begin(), by.end());
+  std::vector<PrefixGroup> groups;
+  for (int64_t i = 0, j; i < nrows; i = j) {
+    for (j = i + 1; j < nrows && by[j].first == by[i].first;) ++j;
+    if (by[i].first < 0 || (j - i) * a.G < PREFIX_MIN_QUERIES) continue;
+    int64_t min_kv = a.kvl[by[i].second];
+    for (int64_t k = i; k < j; ++k) min_kv = std::min(min_kv, a.kvl[by[k].second]);
+    const int64_t* t0 = a.bt + a.seq[by[i].second] * a.W;
+    int64_t nb = 0;
+    for (const int64_t most = (min_kv - 1) / a.bs; nb < most; ++nb) {
+      bool same = true;
+      for (int64_t k = i + 1; k < j && same; ++k) same = a.bt[a.seq[by[k].second] * a.W + nb] == t0[nb];
+      if (!same) break;
+    }
+    if (nb * a.bs < PREFIX_MIN_KEYS) continue;
+    PrefixGroup g{{}, nb * a.bs};
+    for (int64_t k = i; k < j; ++k) g.rows.push_back(by[k].second);
+    groups.push_back(std::move(g));
+  }
+  return groups;
+}
+
+// One group's prefix for KV head h: packs it (into this thread's buffer) and writes the state of
+// every (row, query head h * G + g) of the group. The caller has loaded the tile configuration.
+template <int ND32>
+void amx_prefix_head(const AttnArgs& a, const bf16* qp, const bf16* kc, const bf16* vc, const PrefixGroup& gr,
+                     int64_t h, float* state) {
+  constexpr int D = 32 * ND32;
+  const int64_t L = gr.P, nkt = ((L + 15) / 16) * ND32 * 512;
+  static thread_local std::vector<uint16_t> packed;
+  static thread_local std::vector<int64_t> off;
+  static thread_local std::vector<float> S(2 * 16 * KV_CHUNK), obuf(16 * D);
+  static thread_local std::vector<bf16> P(16 * KV_CHUNK), P2(16 * KV_CHUNK), qbuf(16 * D);
+  packed.resize(nkt + ((L + 31) / 32) * (D / 16) * 512);
+  obuf.resize(16 * D);
+  qbuf.resize(16 * D);
+  off.resize(L);
+  const int64_t* table = a.bt + a.seq[gr.rows[0]] * a.W;
+  for (int64_t t = 0; t < L; ++t) off[t] = ((table[t / a.bs] * a.bs + t % a.bs) * a.Hkv + h) * a.D;
+  pack_kv<ND32>(kc, vc, off.data(), L, packed.data(), packed.data() + nkt);
+  int64_t kvl[16];
+  std::fill(kvl, kvl + 16, L);
+  const int64_t nv = int64_t(gr.rows.size()) * a.G;  // vectors, row-major over (row, g)
+  for (int64_t k0 = 0; k0 < nv; k0 += 16) {
+    const int64_t n = std::min<int64_t>(16, nv - k0);
+    int64_t at[16];  // each vector's row * Hq + query head
+    for (int64_t j = 0; j < 16; ++j) {
+      const int64_t v = k0 + std::min(j, n - 1), r = gr.rows[v / a.G], hq = h * a.G + v % a.G;
+      at[j] = r * a.Hq + hq;
+      const bf16* src = qp + r * a.q_rs + hq * a.q_hs;
+      for (int d = 0; d < D; d += 32)
+        _mm512_storeu_si512(qbuf.data() + j * D + d, j < n ? _mm512_loadu_si512(src + d) : _mm512_setzero_si512());
+    }
+    float m[16], l[16];
+    amx_flash<ND32, true>(a, packed.data(), packed.data() + nkt, kvl, L, qbuf.data(), S.data(), P.data(), P2.data(),
+                          obuf.data(), m, l);
+    for (int64_t j = 0; j < n; ++j) {
+      float* st = state + at[j] * (D + 2);
+      std::memcpy(st, obuf.data() + j * D, D * sizeof(float));
+      st[D] = m[j];
+      st[D + 1] = l[j];
+    }
+  }
+}
+
+void amx_prefix_head(const AttnArgs& a, const bf16* qp, const bf16* kc, const bf16* vc, const PrefixGroup& gr,
+                     int64_t h, float* state) {
+  if (a.D == 64) amx_prefix_head<2>(a, qp, kc, vc, gr, h, state);
+  else amx_prefix_head<1>(a, qp, kc, vc, gr, h, state);
+}
+
+void load_attention_tiles() {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) { cfg.rows[i] = 16; cfg.colsb[i] = 64; }
+  _tile_loadconfig(&cfg);
 }

@@ -201,16 +201,18 @@ inline void exp_inplace(float* x, int64_t n) {
   for (; i < n; ++i) x[i] = std::exp(x[i]);
 }
 
-// in place: s = softmax(s) over n scores
-inline void softmax_inplace(float* s, int64_t n) {
-  float m = -INFINITY, sum = 0.f;
+// in place: s = softmax(s) over n scores. After a prefix already reduced to its max m0 and its sum
+// l0 of exp(score - m0) (a shared prefix), s becomes these keys' share of the probabilities over
+// prefix and keys together, and the factor for the prefix's unnormalized output is returned.
+inline float softmax_inplace(float* s, int64_t n, float m0 = -INFINITY, float l0 = 0.f) {
+  float m = m0, sum = 0.f;
   int64_t i = 0;
 #ifdef AXON_AVX512
-  __m512 vm = _mm512_set1_ps(-INFINITY);
+  __m512 vm = _mm512_set1_ps(m0);
   for (; i + 16 <= n; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + i));
   m = _mm512_reduce_max_ps(vm);
 #elif defined(AXON_AVX2)
-  __m256 vm = _mm256_set1_ps(-INFINITY);
+  __m256 vm = _mm256_set1_ps(m0);
   for (; i + 8 <= n; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + i));
   m = hmax8(vm);
 #endif
@@ -236,7 +238,7 @@ inline void softmax_inplace(float* s, int64_t n) {
   sum = hadd8(vs);
 #endif
   for (; i < n; ++i) { s[i] = std::exp(s[i] - m); sum += s[i]; }
-  const float inv = 1.f / sum;
+  const float w = l0 > 0.f ? std::exp(m0 - m) : 0.f, inv = 1.f / (sum + l0 * w);  // (no prefix: 1 / sum)
   i = 0;
 #ifdef AXON_AVX512
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(inv)));
@@ -244,6 +246,7 @@ inline void softmax_inplace(float* s, int64_t n) {
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(inv)));
 #endif
   for (; i < n; ++i) s[i] *= inv;
+  return w * inv;
 }
 
 // ------------------------------------------------------------------ paged attention
@@ -261,6 +264,10 @@ struct AttnArgs {
   const int64_t* extra = nullptr;  // [R, E] key positions past kv_len (-1: none)
   int64_t E = 0;
   int64_t win = 0;  // sliding window (0: none)
+  // shared prefixes (amx_prefix_head): keys each row's prefix took (0: none), and the prefix's
+  // state per (row, query head): [R, Hq, D + 2] float32 (unnormalized output, max in base-2 units, sum)
+  const int64_t* pre_len = nullptr;
+  const float* pre = nullptr;
 };
 
 // element offset of each key row (same for K and V): walks the block table without a division per key
@@ -268,7 +275,8 @@ struct AttnArgs {
 // (a.win > 0), a separate instantiation so the full-attention code is the one it always was.
 template <bool WIN>
 inline int64_t key_offsets(const AttnArgs& a, int64_t r, int64_t h, std::vector<int64_t>& off) {
-  const int64_t L = a.kvl[r], lo = WIN && L > a.win ? L - a.win : 0;  // the first key in the window
+  const int64_t L = a.kvl[r];  // the first key: the window's, or after the row's shared prefix (whole blocks)
+  const int64_t lo = WIN ? (L > a.win ? L - a.win : 0) : a.pre_len ? a.pre_len[r] : 0;
   const int64_t* table = a.bt + a.seq[r] * a.W;
   off.resize(L - lo + a.E);
   for (int64_t t0 = lo - lo % a.bs, b = lo / a.bs; t0 < L; t0 += a.bs, ++b) {  // (blocks before lo: untouched)
@@ -352,7 +360,13 @@ void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const C* kc, const C
       }
     }
   }
-  for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * L, L);
+  // after a shared prefix (amx_prefix_head): its state per query head, merged into this softmax
+  const float* pre = a.pre_len && a.pre_len[r] ? a.pre + (r * a.Hq + h * G) * (D + 2) : nullptr;
+  float keep[16];  // the prefix output's factor per query head (G <= 16 where prefixes are shared)
+  for (int64_t g = 0; g < G; ++g) {
+    if (pre) keep[g] = softmax_inplace(scores.data() + g * L, L, pre[g * (D + 2) + D] * 0.69314718055994531f, pre[g * (D + 2) + D + 1]);
+    else softmax_inplace(scores.data() + g * L, L);
+  }
   if constexpr (Q8)  // each value's scale goes into its probability
     for (int64_t g = 0; g < G; ++g)
       for (int64_t t = 0; t < L; ++t) scores[g * L + t] *= vsc[t];
@@ -360,7 +374,10 @@ void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const C* kc, const C
     const int64_t gn = std::min<int64_t>(GC, G - g0);
     __m512 acc[GC][ND];
     for (int gi = 0; gi < GC; ++gi)
-      for (int c = 0; c < ND; ++c) acc[gi][c] = _mm512_setzero_ps();
+      for (int c = 0; c < ND; ++c)
+        acc[gi][c] = pre && gi < gn ? _mm512_mul_ps(_mm512_loadu_ps(pre + (g0 + gi) * (D + 2) + 16 * c),
+                                                    _mm512_set1_ps(keep[g0 + gi]))
+                                    : _mm512_setzero_ps();
     const float* s0 = scores.data() + g0 * L;
     // The first values pass also requests the next item's keys and values into L2, a row a key: the
     // scores pass above keeps the memory busy with its own rows, this one otherwise leaves it idle
@@ -527,6 +544,95 @@ constexpr int64_t AMX_ATTN_MIN_RUN = 16;  // chunks shorter than this stay on th
 bool amx_permitted();
 template <int ND32>
 std::vector<int64_t> amx_attend_runs(const AttnArgs& a, const bf16* qp, bf16* op, const bf16* kc, const bf16* vc);
+struct PrefixGroup {
+  std::vector<int64_t> rows;  // rows whose sequences' tables agree on the first P keys' blocks
+  int64_t P;
+};
+std::vector<PrefixGroup> shared_prefix_groups(const AttnArgs& a, const std::vector<int64_t>& rows);
+void amx_prefix_head(const AttnArgs& a, const bf16* qp, const bf16* kc, const bf16* vc, const PrefixGroup& gr,
+                     int64_t h, float* state);
+void load_attention_tiles();
+#endif
+
+// run(begin, end) over the items 0 .. n - 1 (n = cum.size() - 1), split between the pool's threads
+// so that each gets a contiguous run holding an equal share of the cost cum[n] (cum: running sums
+// of the items' costs), four parts a thread, claimed as threads come free (thread_pool.h). `small`
+// (or one thread, or already inside a parallel region): all on this thread.
+template <typename Run>
+void run_by_cost(const std::vector<int64_t>& cum, bool small, Run&& run) {
+  const int64_t n = int64_t(cum.size()) - 1, threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (small || threads <= 1 || at::in_parallel_region()) {
+    run(0, n);
+    return;
+  }
+  const int64_t parts = std::min<int64_t>(4 * threads, n);
+  pool_for(0, parts, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      auto first_at = [&](int64_t share) {
+        return std::lower_bound(cum.begin(), cum.end(), cum[n] * share / parts) - cum.begin();
+      };
+      run(first_at(t), t + 1 == parts ? n : first_at(t + 1));
+    }
+  });
+}
+
+#ifdef AXON_AMX
+// paged_attention_impl with shared prefixes (`groups`): one unit of work per (group, KV head) runs
+// the group's prefix on tiles, then each of its rows' own keys on the per-row kernel (in that
+// thread, so no barrier between them), and one per other (row, KV head); `rows`: the rows to take.
+template <typename T, typename C, typename ItemFn>
+void attend_with_prefixes(AttnArgs a, const T* qp, T* op, const C* kc, const C* vc, const std::vector<int64_t>& rows,
+                          const std::vector<PrefixGroup>& groups, ItemFn item_fn) {
+  std::vector<int64_t> pre_len(a.R, 0);
+  std::vector<float> state(a.R * a.Hq * (a.D + 2));
+  for (const PrefixGroup& g : groups)
+    for (int64_t r : g.rows) pre_len[r] = g.P;
+  a.pre_len = pre_len.data();
+  a.pre = state.data();
+  std::vector<std::pair<int64_t, int64_t>> units;  // (group, head), or (-1 - row, head)
+  std::vector<int64_t> cum{0};  // split by keys (a prefix's counted at a quarter: its keys are read once)
+  for (int64_t g = 0; g < int64_t(groups.size()); ++g) {
+    int64_t own = 0;
+    for (int64_t r : groups[g].rows) own += a.kvl[r] - groups[g].P + 1;
+    for (int64_t h = 0; h < a.Hkv; ++h) {
+      units.push_back({g, h});
+      cum.push_back(cum.back() + groups[g].P / 4 + own);
+    }
+  }
+  for (int64_t r : rows)
+    if (!pre_len[r])
+      for (int64_t h = 0; h < a.Hkv; ++h) {
+        units.push_back({-1 - r, h});
+        cum.push_back(cum.back() + a.kvl[r] + 1);
+      }
+  const int64_t n = units.size();
+  auto run = [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<int64_t> off, next;
+    bool tiles = false;
+    for (int64_t u = begin; u < end; ++u) {
+      const auto [x, h] = units[u];
+      if (x < 0) {
+        key_offsets<false>(a, -1 - x, h, off);
+        item_fn(a, qp, op, kc, vc, -1 - x, h, scores, off, nullptr);
+        continue;
+      }
+      if (!tiles) load_attention_tiles();
+      tiles = true;
+      if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16>)
+        amx_prefix_head(a, qp, kc, vc, groups[x], h, state.data());
+      const std::vector<int64_t>& gr = groups[x].rows;
+      key_offsets<false>(a, gr[0], h, next);
+      for (size_t k = 0; k < gr.size(); ++k) {  // (each requests the next row's keys, as run() does)
+        std::swap(off, next);
+        if (k + 1 < gr.size()) key_offsets<false>(a, gr[k + 1], h, next);
+        item_fn(a, qp, op, kc, vc, gr[k], h, scores, off, k + 1 < gr.size() ? &next : nullptr);
+      }
+    }
+    if (tiles) _tile_release();
+  };
+  run_by_cost(cum, false, run);
+}
 #endif
 
 template <typename T, typename C>
@@ -570,6 +676,20 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   const int64_t nrows = rest ? int64_t(rest->size()) : a.R;
   auto row_of = [&](int64_t i) { return rest ? (*rest)[i] : i; };
   const int64_t n = nrows * a.Hkv;
+#ifdef AXON_AMX
+  // rows sharing a prefix's blocks: the prefix on AMX tiles once for all of them (amx_attention.h),
+  // their own keys after it on the per-row kernel
+  if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16>)
+    if (!win && a.E == 0 && nrows > 1 && a.G <= 16 && (a.D == 64 || a.D == 32) && amx_permitted()) {
+      std::vector<int64_t> rows(nrows);
+      for (int64_t i = 0; i < nrows; ++i) rows[i] = row_of(i);
+      const std::vector<PrefixGroup> groups = shared_prefix_groups(a, rows);
+      if (!groups.empty()) {
+        attend_with_prefixes(a, qp, op, kc, vc, rows, groups, item_fn);
+        return;
+      }
+    }
+#endif
   auto offsets = [&](int64_t item, std::vector<int64_t>& off) {
     if (win) key_offsets<true>(a, row_of(item / a.Hkv), item % a.Hkv, off);
     else key_offsets<false>(a, row_of(item / a.Hkv), item % a.Hkv, off);
@@ -593,21 +713,7 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
     const int64_t kv = a.kvl[row_of(i / a.Hkv)];
     cum[i + 1] = cum[i] + (a.win > 0 ? std::min(kv, a.win) : kv) + 1;
   }
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
-  if (cum[n] * a.G * a.D < 8 * 32768 || threads <= 1 || at::in_parallel_region()) {
-    run(0, n);
-    return;
-  }
-  // four parts a thread, claimed as threads come free (thread_pool.h)
-  const int64_t parts = std::min<int64_t>(4 * threads, n);
-  pool_for(0, parts, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      auto first_at = [&](int64_t share) {
-        return std::lower_bound(cum.begin(), cum.end(), cum[n] * share / parts) - cum.begin();
-      };
-      run(first_at(t), t + 1 == parts ? n : first_at(t + 1));
-    }
-  });
+  run_by_cost(cum, cum[n] * a.G * a.D < 8 * 32768, run);
 }
 
 // An int8 or FP8 KV cache (`--kv-cache-dtype int8|fp8*`) holds each (slot, KV head) row as 8-bit
