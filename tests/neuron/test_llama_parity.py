@@ -7,6 +7,7 @@ import torch
 
 from axonserve.neuron.model_source import resolve_model
 from axonserve.neuron.ops import native
+from axonserve.neuron.ops.attention import AttentionMetadata
 from axonserve.protocol.messages import SamplingParams
 
 from .conftest import MiniScheduler, hf_model, make_runner, make_tiny_llama, runner_logits
@@ -119,6 +120,44 @@ def test_bfloat16_prefill_on_amx_tiles_close_to_transformers(tmp_path):
     assert runner.native_chunks
     got = runner_logits(runner, ids, [150, 2, 148])
     torch.testing.assert_close(got.float(), ref.float(), atol=0.1, rtol=0.05)
+
+
+def test_bfloat16_decodes_sharing_a_prefix_close_to_transformers(tmp_path):
+    """head_dim 64, bf16: four sequences on one 160-token prefix (its blocks in every table, written
+    once, as prefix caching leaves them) decode in one batch, the prefix's keys read once for all
+    (csrc/amx_attention.h, shared prefixes): each row's logits as close to transformers' bf16 over
+    its whole sequence as the same row decoded alone (the per-row kernel)."""
+    from transformers import AutoModelForCausalLM
+
+    if native.kernels() is None or not native.kernels().amx_attention(64):
+        pytest.skip("no AMX tiles on this CPU")
+    d = make_tiny_llama(str(tmp_path), hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=64)
+    runner = make_runner(d, dtype="bfloat16", block_size=16)
+    g = torch.Generator().manual_seed(9)
+    prefix = torch.randint(0, 1024, (160,), generator=g).tolist()
+    owns = [torch.randint(0, 1024, (n,), generator=g).tolist() for n in (5, 17, 30, 9)]
+    free = iter(torch.randperm(runner.num_kv_blocks, generator=g).tolist())
+    shared = [next(free) for _ in range(10)]
+    tables = [shared + [next(free) for _ in range(-(-len(o) // 16))] for o in owns]
+
+    def forward(ids: list[int], query_lens: list[int], contexts: list[int], tabs: list[list[int]]) -> torch.Tensor:
+        meta = AttentionMetadata.build(query_lens, contexts, tabs, 16, native=runner.native, native_chunks=True)
+        with torch.inference_mode():
+            return runner.model.compute_logits(runner.model(torch.tensor(ids), meta.positions, runner.kv_caches, meta))
+
+    forward(prefix, [160], [0], [shared])  # the prefix, once
+    for o, t in zip(owns, tables):  # each sequence's own tokens but its last, after the prefix
+        forward(o[:-1], [len(o) - 1], [160], [t])
+    ctx = [160 + len(o) - 1 for o in owns]
+    batched = forward([o[-1] for o in owns], [1] * 4, ctx, tables).float()
+    alone = torch.cat([forward([o[-1]], [1], [c], [t]) for o, c, t in zip(owns, ctx, tables)]).float()
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = torch.stack([hf(torch.tensor([prefix + o])).logits[0, -1] for o in owns]).float()
+    err, alone_err = (batched - ref).abs().max().item(), (alone - ref).abs().max().item()
+    torch.testing.assert_close(batched, ref, atol=0.1, rtol=0.05)
+    assert err <= 1.5 * alone_err + 0.02, (err, alone_err)
+    assert batched.argmax(-1).tolist() == ref.argmax(-1).tolist()
 
 
 def test_multi_step_plans_decode_like_transformers(tiny_llama_dir, kernels_path):
