@@ -131,32 +131,32 @@ class _Conn(asyncio.Protocol):
             with memoryview(buf) as m:
                 body = m[self.head : self.want].tobytes()
             del buf[: self.want]
-            frames, at = [], 0
-            whole = memoryview(body)
-            for k in self.lens:
-                frames.append(whole[at : at + k])
-                at += k
-            self.lens, self.want = None, _COUNT.size
-            self.deliver(self, frames)
+            lens, self.lens, self.want = self.lens, None, _COUNT.size
+            self.deliver(self, _split(body, 0, lens))
 
     def _whole(self, data: bytes) -> bool:
         """The common case, one read holding exactly one message of a few frames: its frames are
         views of `data` (no buffering, no copy). False: anything else (parsed the general way)."""
-        if len(data) < 12:
+        if len(data) < _COUNT.size + 8:
             return False
         n = _COUNT.unpack_from(data)[0]
-        if not 0 < n <= 8 or len(data) < 4 + 8 * n:
+        head = _COUNT.size + 8 * n
+        if not 0 < n <= 8 or len(data) < head:
             return False
-        lens = struct.unpack_from(f"<{n}Q", data, 4)
-        at = 4 + 8 * n
-        if at + sum(lens) != len(data) or max(lens) > self.max_bytes:
+        lens = struct.unpack_from(f"<{n}Q", data, _COUNT.size)
+        if head + sum(lens) != len(data) or max(lens) > self.max_bytes:
             return False
-        whole, frames = memoryview(data), []
-        for k in lens:
-            frames.append(whole[at : at + k])
-            at += k
-        self.deliver(self, frames)
+        self.deliver(self, _split(data, head, lens))
         return True
+
+
+def _split(data: bytes, at: int, lens: tuple[int, ...]) -> list[memoryview]:
+    """The frames of a message body as views of `data`, from offset `at`, by their lengths."""
+    whole, frames = memoryview(data), []
+    for k in lens:
+        frames.append(whole[at : at + k])
+        at += k
+    return frames
 
 
 class _Inbox:
