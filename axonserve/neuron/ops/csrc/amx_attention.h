@@ -72,7 +72,7 @@ void pack_kv(const bf16* kc, const bf16* vc, const int64_t* off, int64_t L, uint
   const int64_t nb16 = (L + 15) / 16, nb32 = (L + 31) / 32;
   constexpr int64_t LINES = D * 2 / 64, KEY_AHEAD = 64;  // cache lines a key row; keys requested ahead
   for (int64_t b = 0; b < nb16; ++b) {
-    // the keys come from blocks scattered over the cache: the next block's rows are requested now
+    // the keys come from blocks scattered over the cache: the rows KEY_AHEAD keys on are requested now
     if (b == 0) prefetch_rows<_MM_HINT_T0>(kc, off, 16, std::min<int64_t>(L, KEY_AHEAD), LINES);
     prefetch_rows<_MM_HINT_T0>(kc, off, std::min(L, b * 16 + KEY_AHEAD), std::min(L, b * 16 + 16 + KEY_AHEAD), LINES);
     for (int c = 0; c < ND32; ++c) {  // 16 keys x 16 dim pairs, transposed as 32-bit words
