@@ -4,9 +4,11 @@
 SmolLM2's attention shape (9 query / 3 KV heads of 64 dims, bf16 cache in 16-slot blocks in random
 order), 30 layers' caches cycled so the keys come from DRAM. Decode (default): `--rows` sequences
 of `--context` keys decode one token each. Prefill (`--prefill N`): one N-token prompt in one
-chunk (the AMX prompt kernel). Each round times 30 layers with one build, then with the other,
-and the per-round ratios (this / base) are reported: the machine's hourly swings cancel in a
-ratio of neighbouring rounds.
+chunk (the AMX prompt kernel). `--prefix-len P --prefix-groups G`: the decode rows' first P keys
+are one of G shared prefixes (whole blocks; row i takes prefix i % G), as a chat workload's system
+prompts leave them (the shared-prefix path, amx_attention.h). Each round times 30 layers with one
+build, then with the other, and the per-round ratios (this / base) are reported: the machine's
+hourly swings cancel in a ratio of neighbouring rounds.
 The base build is another checkout's compiled module, e.g. the previous commit's:
 
     git worktree add /tmp/base HEAD~1
@@ -14,8 +16,10 @@ The base build is another checkout's compiled module, e.g. the previous commit's
         "from axonserve.neuron.ops import native; print(native.kernels().__file__)")
     PYTHONPATH=. python scripts/attention_ab.py --base "$BASE" --rows 128 --context 160
     PYTHONPATH=. python scripts/attention_ab.py --base "$BASE" --prefill 2048
+    PYTHONPATH=. python scripts/attention_ab.py --base "$BASE" --rows 16 --context 600 \
+        --prefix-len 512 --prefix-groups 2
 
-docs/benchmarks.md#fig-decode-attention-bound, #fig-amx-prefill-overlap.
+docs/benchmarks.md#fig-decode-attention-bound, #fig-amx-prefill-overlap, #fig-shared-prefix.
 """
 
 from __future__ import annotations

@@ -597,7 +597,7 @@ class Scheduler:
                 ahead[id(r)] = ahead.get(id(r), 0) + n
         for req, m in sampling:
             req.num_pending -= m
-        at = 0
+        at, several = 0, False
         for i, (rid, m) in enumerate(zip(result.request_ids, counts)):
             toks = result.sampled_token_ids[at : at + m]
             at += m
@@ -608,6 +608,7 @@ class Scheduler:
             # still counts (it resumes with it), its blocks are gone
             running = req.status == Status.RUNNING
             k, req.num_spec_scheduled = req.num_spec_scheduled, 0
+            several = several or m != 1
             if k:  # m - 1 drafts accepted: the rejected ones' positions are not computed
                 req.num_computed_tokens -= k - (m - 1)
                 if self.spec is not None:
@@ -658,9 +659,13 @@ class Scheduler:
             req.finish_reason = "stop"
             deltas.append(RequestDelta(rid, finish_reason="stop", num_prompt_tokens=req.num_prompt_tokens))
             self._finish(req)
-        for req, _ in scheduled:  # prefill chunks that sampled nothing
-            if req.status == Status.RUNNING and req.pooling is None and not req.num_spec_scheduled:
-                self.blocks.cache_computed(req, req.num_computed_tokens - ahead.get(id(req), 0))
+        # prefill chunks that sampled nothing, and requests with several tokens back (verified drafts,
+        # multi-step: computed positions whose tokens are known only now); when every request
+        # sampled one token, the calls above published all there is (`sampling` is in `scheduled`)
+        if several or len(sampling) < len(scheduled):
+            for req, _ in scheduled:
+                if req.status == Status.RUNNING and req.pooling is None and not req.num_spec_scheduled:
+                    self.blocks.cache_computed(req, req.num_computed_tokens - ahead.get(id(req), 0))
         return deltas
 
     def take_drafts(self, req: Request, drafts: list[int], parents: list[int] | None = None) -> None:

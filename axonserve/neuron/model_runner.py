@@ -461,7 +461,7 @@ class ModelRunner:
         drafts = plan.draft_token_ids
         # flat batch: decodes (1 token) first, then verifications (1 + k tokens) by length (equal
         # ones share one attention call), then prefill chunks; plan order kept within each group
-        verifying = sorted((w for w in work if w[0].request_id in drafts), key=lambda w: w[1])
+        verifying = sorted((w for w in work if w[0].request_id in drafts), key=lambda w: w[1]) if drafts else []
         decodes = [w for w in work if w[1] == 1]
         if self.lora is not None:  # one adapter's decodes side by side: one slice each, no gather
             decodes.sort(key=self.lora.row_order)
@@ -473,11 +473,13 @@ class ModelRunner:
             d = drafts.get(st.request_id)
             input_ids.extend(st.token_ids[c : c + n] if d is None else [st.token_ids[c], *d])
             last_tok[st.request_id] = len(input_ids) - 1
-        trees = {
-            i: plan.draft_parents[st.request_id]
-            for i, (st, _) in enumerate(flat)
-            if st.request_id in plan.draft_parents
-        }
+        trees = {}  # flat index -> its draft tree's parents
+        if plan.draft_parents:
+            trees = {
+                i: plan.draft_parents[st.request_id]
+                for i, (st, _) in enumerate(flat)
+                if st.request_id in plan.draft_parents
+            }
         meta = AttentionMetadata.build(
             [n for _, n in flat],
             [st.num_computed_tokens for st, _ in flat],
@@ -501,7 +503,11 @@ class ModelRunner:
         hidden = self.model(
             torch.from_numpy(np.asarray(input_ids, dtype=np.int64)), meta.positions, self.kv_caches, meta, **mm
         )
-        prompt_lps = self._prompt_logprobs([(st, n, last_tok[st.request_id]) for st, n in work], hidden)
+        prompt_lps = (
+            self._prompt_logprobs([(st, n, last_tok[st.request_id]) for st, n in work], hidden)
+            if any(st.params.prompt_logprobs is not None for st, _ in work)
+            else []
+        )
         starts = {st.request_id: st.num_computed_tokens for st, _ in work}
         for st, n in work:
             if st.request_id not in drafts:  # verified requests move on in _sample

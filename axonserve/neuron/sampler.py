@@ -62,21 +62,14 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, reqs: Sequence[SamplingState]
     ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
-        want_lp = any(r.params.logprobs is not None for r in reqs)
         k = native.for_dtype(logits.dtype)
-        vocab = logits.shape[-1]
-        if (
-            k is not None
-            and logits.stride(-1) == 1
-            and all(
-                (r.params.greedy or _temperature_only(r.params, vocab)) and not self._adjusts_logits(r) for r in reqs
-            )
-        ):
+        want_lp, fast, all_greedy, banning = self._classify(reqs, logits.shape[-1])
+        if fast and k is not None and logits.stride(-1) == 1:
             raw_lp = torch.log_softmax(logits.float(), dim=-1) if want_lp else None
-            if any(self._min_tokens_pending(r) for r in reqs):
+            if banning:
                 logits = logits.clone()
                 self._apply_min_tokens(logits, reqs)
-            if all(r.params.greedy for r in reqs):
+            if all_greedy:
                 ids = greedy_ids(logits)
             else:  # no float32 copy of the logits at all
                 inv_t = torch.tensor([0.0 if r.params.greedy else 1.0 / r.params.temperature for r in reqs])
@@ -90,6 +83,23 @@ class Sampler:
             ids = self._sample(logits.clone(), reqs)
         out = ids.tolist()
         return out, (self._logprobs(raw_lp, ids, reqs) if raw_lp is not None else None)
+
+    def _classify(self, reqs: Sequence[SamplingState], vocab: int) -> tuple[bool, bool, bool, bool]:
+        """(any row wants logprobs, every row greedy or temperature-only with its logits as they
+        are, every row greedy, some row's min_tokens bans ids): one pass over the batch, run every step."""
+        want_lp = banning = False
+        fast = all_greedy = True
+        for r in reqs:
+            p = r.params
+            if p.logprobs is not None:
+                want_lp = True
+            greedy = p.temperature < 1e-5  # (SamplingParams.greedy)
+            all_greedy = all_greedy and greedy
+            if fast and ((not greedy and not _temperature_only(p, vocab)) or self._adjusts_logits(r)):
+                fast = False
+            if p.min_tokens and not banning:
+                banning = self._min_tokens_pending(r)
+        return want_lp, fast, all_greedy, banning
 
     def greedy_only(self, reqs: Sequence[SamplingState]) -> bool:
         """Every row's token is its argmax as the logits stand, with nothing else to do (no

@@ -446,8 +446,6 @@ void amx_prefix_head(const AttnArgs& a, const bf16* qp, const bf16* kc, const bf
   static thread_local std::vector<float> S(2 * 16 * KV_CHUNK), obuf(16 * D);
   static thread_local std::vector<bf16> P(16 * KV_CHUNK), P2(16 * KV_CHUNK), qbuf(16 * D);
   packed.resize(nkt + ((L + 31) / 32) * (D / 16) * 512);
-  obuf.resize(16 * D);
-  qbuf.resize(16 * D);
   off.resize(L);
   const int64_t* table = a.bt + a.seq[gr.rows[0]] * a.W;
   for (int64_t t = 0; t < L; ++t) off[t] = ((table[t / a.bs] * a.bs + t % a.bs) * a.Hkv + h) * a.D;

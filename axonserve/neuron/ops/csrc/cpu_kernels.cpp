@@ -619,8 +619,7 @@ void attend_with_prefixes(AttnArgs a, const T* qp, T* op, const C* kc, const C* 
       }
       if (!tiles) load_attention_tiles();
       tiles = true;
-      if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16>)
-        amx_prefix_head(a, qp, kc, vc, groups[x], h, state.data());
+      amx_prefix_head(a, qp, kc, vc, groups[x], h, state.data());  // (instantiated for bf16 only)
       const std::vector<int64_t>& gr = groups[x].rows;
       key_offsets<false>(a, gr[0], h, next);
       for (size_t k = 0; k < gr.size(); ++k) {  // (each requests the next row's keys, as run() does)
