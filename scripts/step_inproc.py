@@ -52,14 +52,8 @@ def run(a: argparse.Namespace, model: str) -> None:
     cfg = EngineConfig(model=model, served_model_name="null", max_num_seqs=B, num_kv_blocks=blocks, log_level="warning")
     runner = ModelRunner(cfg, 0)
     sched = Scheduler(
-        SchedulerConfig(
-            max_num_seqs=B,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=8192,
-            block_size=cfg.block_size,
-            num_kv_blocks=blocks,
-            vocab_size=NULL_VOCAB,
-            eos_token_ids=frozenset([0]),
+        SchedulerConfig.from_engine(
+            cfg, max_model_len=8192, num_kv_blocks=blocks, vocab_size=NULL_VOCAB, eos_token_ids=frozenset([0])
         )
     )
     params = SamplingParams(temperature=0.0, max_tokens=3 * steps + 100, ignore_eos=True)

@@ -33,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from axonserve.config import SpeculativeConfig
+from axonserve.config import EngineConfig, SpeculativeConfig
 from axonserve.engine.block_manager import BlockManager
 from axonserve.engine.buckets import BucketConfig
 from axonserve.engine.request import Request, Status
@@ -87,6 +87,44 @@ class SchedulerConfig:
     # request runs (engine/sliding_window.py); None: full attention somewhere, nothing is
     kv_window: int | None = None
     max_loras: int = 0  # LoRA adapters one step may hold (0: LoRA off, adapter requests are refused)
+
+    @classmethod
+    def from_engine(
+        cls,
+        cfg: EngineConfig,
+        *,
+        max_model_len: int,
+        num_kv_blocks: int,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        kv_window: int | None = None,
+        buckets: BucketConfig | None = None,
+    ) -> SchedulerConfig:
+        """The policy an EngineConfig asks for, sized by what the workers report (KV blocks,
+        vocabulary, EOS ids, sliding window): the one mapping, for the scheduler actor and the
+        in-process benchmarks alike."""
+        embed = cfg.task == "embed"  # an encoder: no KV pool, every prompt runs whole in one step
+        return cls(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_model_len if embed else 1),
+            max_model_len=max_model_len,
+            block_size=cfg.block_size,
+            num_kv_blocks=num_kv_blocks,
+            vocab_size=vocab_size,
+            eos_token_ids=eos_token_ids,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            enable_chunked_prefill=cfg.enable_chunked_prefill,
+            policy=cfg.scheduling_policy,
+            buckets=buckets,
+            task=cfg.task,
+            speculative=cfg.speculative,
+            async_scheduling=(
+                cfg.async_scheduling and cfg.speculative is None and buckets is None and cfg.role == "both"
+            ),
+            num_scheduler_steps=cfg.num_scheduler_steps,
+            kv_window=kv_window,
+            max_loras=cfg.max_loras if cfg.enable_lora else 0,
+        )
 
 
 class Scheduler:

@@ -160,8 +160,7 @@ class SchedulerActor(Actor):
         """The scheduling policy, sized by what the workers measured (KV blocks, vocabulary)."""
         cfg = self.config
         max_len = int(info["max_model_len"])
-        task = cfg.task  # (resolved by EngineConfig)
-        embed = task == "embed"  # an encoder: no KV pool, every prompt runs whole in one step
+        embed = cfg.task == "embed"  # (resolved by EngineConfig) an encoder: no KV pool
         buckets = BucketConfig.from_engine_config(cfg, max_len) if cfg.bucketing else None
         pool_tokens = int(info["num_kv_blocks"]) * cfg.block_size
         window = int(info["kv_window"]) if info.get("kv_window") else None  # (engine/sliding_window.py)
@@ -170,30 +169,16 @@ class SchedulerActor(Actor):
         if pool_tokens < max_len and not embed and held * cfg.block_size > pool_tokens:
             self.log.warning("max_model_len_clamped", max_model_len=max_len, kv_pool_tokens=pool_tokens)
             max_len = pool_tokens
-        return Scheduler(
-            SchedulerConfig(
-                max_num_seqs=cfg.max_num_seqs,
-                max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_len if embed else 1),
-                max_model_len=max_len,
-                block_size=cfg.block_size,
-                num_kv_blocks=int(info["num_kv_blocks"]),
-                vocab_size=int(info["vocab_size"]),
-                eos_token_ids=frozenset(info["eos_token_ids"]),  # type: ignore[arg-type]
-                enable_prefix_caching=cfg.enable_prefix_caching,
-                enable_chunked_prefill=cfg.enable_chunked_prefill,
-                policy=cfg.scheduling_policy,
-                buckets=buckets,
-                task=task,
-                speculative=cfg.speculative,
-                async_scheduling=cfg.async_scheduling
-                and cfg.speculative is None
-                and buckets is None
-                and cfg.role == "both",
-                num_scheduler_steps=cfg.num_scheduler_steps,
-                kv_window=window,
-                max_loras=cfg.max_loras if cfg.enable_lora else 0,
-            )
-        ), max_len
+        sched_cfg = SchedulerConfig.from_engine(
+            cfg,
+            max_model_len=max_len,
+            num_kv_blocks=int(info["num_kv_blocks"]),
+            vocab_size=int(info["vocab_size"]),
+            eos_token_ids=frozenset(info["eos_token_ids"]),  # type: ignore[arg-type]
+            kv_window=window,
+            buckets=buckets,
+        )
+        return Scheduler(sched_cfg), max_len
 
     async def _wait_subscribers(self, n: int) -> None:
         """XPUB reports each SUB's subscription (the channel each rank's arrival): plans sent

@@ -93,7 +93,7 @@ class Sampler:
             p = r.params
             if p.logprobs is not None:
                 want_lp = True
-            greedy = p.temperature < 1e-5  # (SamplingParams.greedy)
+            greedy = p.greedy
             all_greedy = all_greedy and greedy
             if fast and ((not greedy and not _temperature_only(p, vocab)) or self._adjusts_logits(r)):
                 fast = False
