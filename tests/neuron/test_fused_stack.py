@@ -110,6 +110,22 @@ def test_stack_equals_the_python_modules(model_dirs, arch, dtype, quantization, 
     assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
 
 
+def test_gate_up_and_silu_fused_on_amx(model_dirs, monkeypatch):
+    """bf16 packed on AMX: the stack runs gate_up and silu_and_mul as one pass (gate_up_silu), with
+    the bits of the two ops (AXONSERVE_GATE_UP_SILU=0 keeps them apart)."""
+    K = native.kernels()
+    if K.skinny_rows(K.pack_gemv_weight(torch.zeros(16, 32, dtype=torch.bfloat16))) != 128:
+        pytest.skip("no AMX tiles on this CPU")
+    model = load_model(ModelConfig.from_dir(model_dirs["LlamaForCausalLM"]), torch.bfloat16, progress=False, pack=True)
+    runs = {}
+    for v in ("0", "1"):
+        monkeypatch.setenv("AXONSERVE_GATE_UP_SILU", v)
+        outs, caches, used = _run(model, torch.bfloat16, monkeypatch, on=True)
+        assert used and model.model._stack[1].gate_up_fused() == (v == "1")
+        runs[v] = outs + caches
+    assert all(torch.equal(a, b) for a, b in zip(runs["0"], runs["1"]))
+
+
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM"])
 def test_models_with_python_only_parts_keep_the_modules(model_dirs, arch, monkeypatch):
     model = load_model(ModelConfig.from_dir(model_dirs[arch]), torch.float32, progress=False)

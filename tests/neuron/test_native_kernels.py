@@ -65,6 +65,32 @@ def test_silu_and_mul(dtype, inter, rows):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, equal_nan=True)
 
 
+def _amx() -> bool:
+    return K is not None and K.skinny_rows(K.pack_gemv_weight(torch.zeros(16, 32, dtype=torch.bfloat16))) == 128
+
+
+@pytest.mark.skipif(not _amx(), reason="no AMX tiles on this CPU")
+@pytest.mark.parametrize("inter,hidden", [(1536, 576), (48, 64)])  # SmolLM2's MLP; an odd count of gate blocks
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 100, 128])  # amx_rows16; amx_rows32's passes
+def test_gate_up_silu_is_the_two_ops_in_one_pass(inter, hidden, rows):
+    """gate_up_silu: skinny_bf16 on [gate; up] then silu_and_mul, bit for bit (NaN rows included)."""
+    w = (torch.randn(2 * inter, hidden, generator=_gen(2)) * 0.05).bfloat16()
+    wp = K.pack_gemv_weight(w)
+    x = torch.randn(rows, hidden, generator=_gen(3)).bfloat16()
+    x[rows // 2, 3] = float("nan")
+    want = K.silu_and_mul(K.skinny_bf16(x, wp))
+    got = K.gate_up_silu(x, wp)
+    assert got.shape == (rows, inter)
+    torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
+    # rows of a wider tensor (x a view with a row stride): the same
+    wide = torch.cat([x, torch.zeros(rows, 32, dtype=x.dtype)], 1)[:, :hidden]
+    torch.testing.assert_close(K.gate_up_silu(wide, wp), want, atol=0, rtol=0, equal_nan=True)
+    with pytest.raises(RuntimeError, match="rows"):
+        K.gate_up_silu(torch.zeros(129, hidden, dtype=torch.bfloat16), wp)
+    with pytest.raises(RuntimeError, match="I of 16"):
+        K.gate_up_silu(x, K.pack_gemv_weight(w[:-16]))
+
+
 @pytest.mark.skipif(not (K is not None and K.amx_attention(64)), reason="no AMX tiles on this CPU")
 @pytest.mark.parametrize("head_dim", [64, 32])
 @pytest.mark.parametrize("bs", [16, 4])

@@ -957,6 +957,15 @@ void rms_norm(at::Tensor out, at::Tensor x, c10::optional<at::Tensor> residual, 
 
 // ------------------------------------------------------------------ SiLU(gate) * up
 // gate_up: [T, 2I] -> out [T, I]; T(T(silu(gate)) * up) like torch's two ops.
+#ifdef AXON_AVX512
+// 16 lanes of T(silu(g)) * u (g, u already at T's precision), before the final rounding: shared by
+// silu_and_mul and the AMX gate_up epilogue (gate_up_silu), which so compute the same bits
+template <typename T>
+inline __m512 silu_mul16(__m512 g, __m512 u) {
+  const __m512 ex = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_mul_ps(rnd16<T>(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), ex))), u);
+}
+#endif
 template <typename T>
 void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gu) {
   const int64_t Tn = gu.size(0), I = gu.size(1) / 2;
@@ -970,12 +979,8 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& gu) {
       T* o = op + t * I;
       int64_t j0 = 0;
 #ifdef AXON_AVX512
-      const __m512 one = _mm512_set1_ps(1.f);
-      for (; j0 + 16 <= I; j0 += 16) {  // the scalar loop below, 16 lanes at a time (same roundings)
-        const __m512 x = load16(gr + j0);
-        const __m512 ex = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-        store16(o + j0, _mm512_mul_ps(rnd16<T>(_mm512_div_ps(x, _mm512_add_ps(one, ex))), load16(ur + j0)));
-      }
+      for (; j0 + 16 <= I; j0 += 16)  // the scalar loop below, 16 lanes at a time (same roundings)
+        store16(o + j0, silu_mul16<T>(load16(gr + j0), load16(ur + j0)));
 #endif
       for (int64_t j = j0; j < I; ++j) e[j - j0] = -to_f(gr[j]);
       exp_inplace(e.data(), I - j0);
@@ -1322,42 +1327,65 @@ inline void widen_tile(const int8_t* w, bf16* buf, const Int8Tables& t) {
 // weights where they lie; int8 weights widened one K step ahead into a double buffer, so a tile
 // load never waits on the stores that just wrote it (loading right after them ran no faster than
 // bf16's twice-as-large stream).
-template <typename W> struct BTiles;
-template <> struct BTiles<bf16> {
-  const bf16* w;
-  int64_t bs;
-  void widen(int64_t, int64_t, int64_t) {}
-  const bf16* get(int64_t nb, int64_t kc, int64_t j) const { return w + (nb + j) * bs + kc * 512; }
+// `half` (gate_up_silu): the weight is [gate; up] with `half` column blocks each, and the kernels
+// walk its blocks interleaved (gate 0, up 0, gate 1, up 1, ...) so a pass holds a gate block and
+// its up block side by side; 0: blocks in order.
+template <typename W>
+struct BlockMap {
+  const W* w;
+  int64_t bs, half;
+  const W* at(int64_t b) const { return w + (half ? ((b & 1) ? half + (b >> 1) : b >> 1) : b) * bs; }
 };
-template <> struct BTiles<int8_t> {
-  const int8_t* w;
-  int64_t bs;
+template <typename W> struct BTiles;
+template <> struct BTiles<bf16> : BlockMap<bf16> {
+  void widen(int64_t, int64_t, int64_t) {}
+  const bf16* get(int64_t nb, int64_t kc, int64_t j) const { return at(nb + j) + kc * 512; }
+};
+template <> struct BTiles<int8_t> : BlockMap<int8_t> {
   const Int8Tables& tab = int8_tables();
   alignas(64) bf16 buf[2][4][512];
   void widen(int64_t nb, int64_t kc, int64_t n) {
-    for (int64_t j = 0; j < n; ++j) widen_tile(w + (nb + j) * bs + kc * 512, buf[kc & 1][j], tab);
+    for (int64_t j = 0; j < n; ++j) widen_tile(at(nb + j) + kc * 512, buf[kc & 1][j], tab);
   }
   const bf16* get(int64_t, int64_t kc, int64_t j) const { return buf[kc & 1][j]; }
 };
 
-// M <= 16: accumulators 0..3 = four column blocks, A = tile 4, B = tiles 5..7.
-template <typename W>
+// Gate and up accumulator tiles (0 and 1, or with `second` 2 and 3; rows x 16 columns) -> bf16 rows
+// of T(silu(g)) * u at op: each rounded to bf16 first, as gate_up's output is before silu_and_mul.
+inline void store_silu_rows(bool second, float* buf, bf16* op, int64_t os, int64_t rows) {
+  if (second) {  // (tile numbers are immediates)
+    _tile_stored(2, buf, 128);
+    _tile_stored(3, buf + 16, 128);
+  } else {
+    _tile_stored(0, buf, 128);
+    _tile_stored(1, buf + 16, 128);
+  }
+  auto as_bf16 = [](__m512 v) {  // what store16 then load16 give
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+  };
+  for (int64_t m = 0; m < rows; ++m)
+    store16(op + m * os,
+            silu_mul16<bf16>(as_bf16(_mm512_load_ps(buf + m * 32)), as_bf16(_mm512_load_ps(buf + m * 32 + 16))));
+}
+
+// M <= 16: accumulators 0..3 = four column blocks, A = tile 4, B = tiles 5..7. SILU: blocks
+// mapped by `half` (BlockMap), each gate / up pair written as silu(gate) * up at block nb / 2.
+template <typename W, bool SILU = false>
 void amx_rows16(const bf16* xp, int64_t xs, const W* w, const float* scales, int64_t K2, int64_t M, bf16* op,
-                int64_t os, int64_t nb0, int64_t nb1) {
+                int64_t os, int64_t nb0, int64_t nb1, int64_t half = 0) {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) { cfg.rows[t] = t < 5 ? M : 16; cfg.colsb[t] = 64; }
   _tile_loadconfig(&cfg);
   alignas(64) float buf[16 * 16];
   const int64_t bs = K2 * 32;  // elements from one column block to the next
-  BTiles<W> bt{w, bs};
+  BTiles<W> bt{{w, bs, half}};
   const int64_t KC = K2 / 16;
   for (int64_t nb = nb0; nb < nb1; nb += 4) {
     const int64_t n = std::min<int64_t>(4, nb1 - nb);
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     bt.widen(nb, 0, n);
     for (int64_t kc = 0; kc < KC; ++kc) {
-      const W* wk = w + nb * bs + kc * 512;
-      for (int64_t j = 0; j < n; ++j) prefetch_tile(wk + j * bs + AMX_PREFETCH);
+      for (int64_t j = 0; j < n; ++j) prefetch_tile(bt.at(nb + j) + kc * 512 + AMX_PREFETCH);
       _tile_loadd(4, xp + kc * 32, xs * 2);
       _tile_loadd(5, bt.get(nb, kc, 0), 64);
       _tile_dpbf16ps(0, 4, 5);
@@ -1366,8 +1394,14 @@ void amx_rows16(const bf16* xp, int64_t xs, const W* w, const float* scales, int
       if (n > 3) { _tile_loadd(5, bt.get(nb, kc, 3), 64); _tile_dpbf16ps(3, 4, 5); }
       if (kc + 1 < KC) bt.widen(nb, kc + 1, n);
     }
-    for (int j = 0; j < n; ++j)
-      store_tile_rows(j, buf, op + (nb + j) * 16, os, M, scales ? scales + (nb + j) * 16 : nullptr);
+    if constexpr (SILU) {  // (n is even: the pool's ranges start at multiples of 4 blocks, NB is even)
+      alignas(64) float pair[16 * 32];
+      store_silu_rows(false, pair, op + nb / 2 * 16, os, M);
+      if (n > 2) store_silu_rows(true, pair, op + (nb / 2 + 1) * 16, os, M);
+    } else {
+      for (int j = 0; j < n; ++j)
+        store_tile_rows(j, buf, op + (nb + j) * 16, os, M, scales ? scales + (nb + j) * 16 : nullptr);
+    }
   }
   _tile_release();
 }
@@ -1380,12 +1414,12 @@ void amx_rows16(const bf16* xp, int64_t xs, const W* w, const float* scales, int
 // the next pair's tiles are requested into L2, spread over them, so the memory keeps streaming.
 // Each output element sees the same tile products in the same K order as in one pass: the bits do
 // not depend on how the rows are cut.
-template <typename W>
+template <typename W, bool SILU = false>
 void amx_rows32(const bf16* xp, int64_t xs, const W* w, const float* scales, int64_t K2, int64_t M, bf16* op,
-                int64_t os, int64_t nb0, int64_t nb1) {
+                int64_t os, int64_t nb0, int64_t nb1, int64_t half = 0) {
   alignas(64) float buf[16 * 16];
   const int64_t bs = K2 * 32;
-  BTiles<W> bt{w, bs};
+  BTiles<W> bt{{w, bs, half}};
   const int64_t KC = K2 / 16;
   const int64_t P = (M + AMX_PASS_ROWS - 1) / AMX_PASS_ROWS;
   // the first pass that requests the next pair: bf16 from the first at 2-3 passes (0.90x the time
@@ -1414,19 +1448,20 @@ void amx_rows32(const bf16* xp, int64_t xs, const W* w, const float* scales, int
       if (M1) { _tile_zero(2); _tile_zero(3); }
       bt.widen(nb, 0, nbl);
       for (int64_t kc = 0; kc < KC; ++kc) {
-        const W* wk = w + nb * bs + kc * 512;
+        const W* wk = bt.at(nb) + kc * 512;
+        const W* wk1 = bt.at(nb + 1) + kc * 512;
         if (p == 0) {
           prefetch_tile(wk + AMX_PREFETCH);
-          if (nbl == 2) prefetch_tile(wk + bs + AMX_PREFETCH);
+          if (nbl == 2) prefetch_tile(wk1 + AMX_PREFETCH);
           if (P == 1) {  // (with more passes the next pair is requested instead)
             prefetch_tile<W, _MM_HINT_T1>(wk + AMX_PREFETCH_L2);
-            if (nbl == 2) prefetch_tile<W, _MM_HINT_T1>(wk + bs + AMX_PREFETCH_L2);
+            if (nbl == 2) prefetch_tile<W, _MM_HINT_T1>(wk1 + AMX_PREFETCH_L2);
           }
         }
         if (P > 1 && p >= P0) {
           const int64_t slot = (p - P0) * KC + kc, slots = (P - P0) * KC;
           for (int64_t t = slot * next / slots; t < (slot + 1) * next / slots; ++t)
-            prefetch_tile<W, _MM_HINT_T1>(w + (nb + 2 + t % nn) * bs + (t / nn) * 512);
+            prefetch_tile<W, _MM_HINT_T1>(bt.at(nb + 2 + t % nn) + (t / nn) * 512);
         }
         _tile_loadd(4, xa + kc * 32, xs * 2);
         if (M1) _tile_loadd(5, xb + kc * 32, xs * 2);
@@ -1440,10 +1475,16 @@ void amx_rows32(const bf16* xp, int64_t xs, const W* w, const float* scales, int
         }
         if (kc + 1 < KC) bt.widen(nb, kc + 1, nbl);
       }
-      for (int j = 0; j < nbl; ++j) {
-        const float* sc = scales ? scales + (nb + j) * 16 : nullptr;
-        store_tile_rows(j, buf, op + m0 * os + (nb + j) * 16, os, M0, sc);
-        if (M1) store_tile_rows(2 + j, buf, op + (m0 + 16) * os + (nb + j) * 16, os, M1, sc);
+      if constexpr (SILU) {  // (nbl is 2: NB is even)
+        alignas(64) float pair[16 * 32];
+        store_silu_rows(false, pair, op + m0 * os + nb / 2 * 16, os, M0);
+        if (M1) store_silu_rows(true, pair, op + (m0 + 16) * os + nb / 2 * 16, os, M1);
+      } else {
+        for (int j = 0; j < nbl; ++j) {
+          const float* sc = scales ? scales + (nb + j) * 16 : nullptr;
+          store_tile_rows(j, buf, op + m0 * os + (nb + j) * 16, os, M0, sc);
+          if (M1) store_tile_rows(2 + j, buf, op + (m0 + 16) * os + (nb + j) * 16, os, M1, sc);
+        }
       }
     }
   }
@@ -1451,20 +1492,20 @@ void amx_rows32(const bf16* xp, int64_t xs, const W* w, const float* scales, int
 }
 
 // Up to AMX_MAX_ROWS rows: M <= 16 on one row tile and four column blocks at a time, more on
-// amx_rows32's passes of 32 rows.
-template <typename W>
+// amx_rows32's passes of 32 rows. SILU (gate_up_silu): the weight is [gate; up], out [M, N / 2].
+template <typename W, bool SILU = false>
 void amx_matmul(const at::Tensor& x, const W* w, const float* scales, int64_t NB, int64_t K2, at::Tensor& out) {
   const int64_t M = x.size(0);
   const bf16* xp = x.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
-  const int64_t xs = x.stride(0), os = out.stride(0);
+  const int64_t xs = x.stride(0), os = out.stride(0), half = SILU ? NB / 2 : 0;
   const int64_t group = M <= 16 ? 4 : 2;  // column blocks per tile pass
   const int64_t groups = (NB + group - 1) / group;
   // ~16k weight pairs per task, as gemv_rows: a small matrix stays on the calling thread
   pool_for(0, groups, std::max<int64_t>(1, 16384 / (K2 * 16 * group)), [&](int64_t b, int64_t e) {
     const int64_t nb0 = b * group, nb1 = std::min(NB, e * group);
-    if (M <= 16) amx_rows16(xp, xs, w, scales, K2, M, op, os, nb0, nb1);
-    else amx_rows32(xp, xs, w, scales, K2, M, op, os, nb0, nb1);
+    if (M <= 16) amx_rows16<W, SILU>(xp, xs, w, scales, K2, M, op, os, nb0, nb1, half);
+    else amx_rows32<W, SILU>(xp, xs, w, scales, K2, M, op, os, nb0, nb1, half);
   });
 }
 
@@ -1563,6 +1604,23 @@ at::Tensor skinny_bf16(at::Tensor x, at::Tensor wp) {
   at::Tensor out = at::empty({M, wp.size(0) * 16}, x.options());
 #ifdef AXON_AMX
   amx_matmul(x, wp.data_ptr<bf16>(), nullptr, wp.size(0), wp.size(1), out);
+#endif
+  return out;
+}
+
+// silu(x @ Wg^T) * (x @ Wu^T) for 1..AMX_MAX_ROWS rows, W = [Wg; Wu] packed (pack_gemv_weight of
+// gate_up_proj's weight): skinny_bf16 then silu_and_mul in one pass over the tiles, bit for bit
+// (each accumulator rounded to bf16 first, then silu_and_mul's arithmetic), without writing and
+// reading back the [M, 2I] product. AMX only; I a multiple of 16. A decode step 0.93-0.97x the
+// time at 1-128 rows (docs/benchmarks.md#fig-gate-up-silu).
+at::Tensor gate_up_silu(at::Tensor x, at::Tensor wp) {
+  check_skinny_args(x, wp);
+  TORCH_CHECK(amx_fits(wp) && wp.size(0) % 2 == 0, "gate_up_silu needs AMX, K a multiple of 32 and I of 16");
+  const int64_t M = x.size(0), NB = wp.size(0);
+  TORCH_CHECK(M <= AMX_MAX_ROWS, "gate_up_silu takes 0..", AMX_MAX_ROWS, " rows");
+  at::Tensor out = at::empty({M, NB / 2 * 16}, x.options());
+#ifdef AXON_AMX
+  if (M) amx_matmul<bf16, true>(x, wp.data_ptr<bf16>(), nullptr, NB, wp.size(1), out);
 #endif
   return out;
 }
@@ -2388,6 +2446,14 @@ int64_t onednn_settle(const at::Tensor& w, int64_t max_rows) {
   return runs;
 }
 
+// AXONSERVE_GATE_UP_SILU=0: the decoder stack keeps gate_up and silu_and_mul apart (A/B runs; the
+// same bits either way), read when a stack is built
+bool gate_up_fusion() {
+  const char* e = std::getenv("AXONSERVE_GATE_UP_SILU");
+  const std::string v = e ? e : "";
+  return !(v == "0" || v == "false" || v == "no");
+}
+
 // One projection as the Python layer runs it (layers/linear.py `linear`, layers/quant.py).
 struct StackLinear {
   enum Kind : int64_t { DENSE = 0, PACKED = 1, INT8 = 2, INT4 = 3, FP8 = 4, PANEL = 5, DOT = 6 };
@@ -2435,6 +2501,20 @@ struct StackLinear {
     }
     return bias.defined() ? y + bias : y;
   }
+
+  // silu_and_mul of this projection (gate_up_proj): in one pass (gate_up_silu, the same bits) where
+  // its skinny copy is bf16 on AMX without a bias and takes the rows; else the product, then
+  // silu_and_mul. (Prompt rows keep oneDNN: an AMX pass like amx_rows32's over L2-sized column
+  // groups ran at oneDNN's speed, so fusing there bought nothing; docs/benchmarks.md#fig-gate-up-silu.)
+  at::Tensor silu_mul(const at::Tensor& x) const {
+    if (silu_fused && x.size(0) <= rows && x.stride(1) == 1) return gate_up_silu(x, aux);
+    return silu_and_mul((*this)(x));
+  }
+  bool silu_fused = false;  // set by DecoderStack for gate_up_proj (fusable())
+  bool fusable() const {
+    return kind == PACKED && !bias.defined() && aux.defined() && aux.numel() && aux.scalar_type() == at::kBFloat16 &&
+           amx_fits(aux) && aux.size(0) % 2 == 0;
+  }
 };
 
 struct DecoderStack {
@@ -2467,6 +2547,7 @@ struct DecoderStack {
       lin[i] = StackLinear{kinds[i], w[i], aux[i], bias[i].numel() ? bias[i] : at::Tensor(), rows[i], group[i],
                            scales[i]};
     }
+    lin[2].silu_fused = lin[2].fusable() && gate_up_fusion();
     layers.push_back(Layer{in_norm, post_norm, lin[0], lin[1], lin[2], lin[3]});
     for (const StackLinear& l : lin) pool_rows = std::min(pool_rows, l.own_rows());
   }
@@ -2511,7 +2592,7 @@ struct DecoderStack {
       at::Tensor o = L.o(attn.view({T, Hq * D}));
       at::Tensor n2 = at::empty_like(h);
       rms_norm(n2, o, h, L.post_norm, eps);
-      add = L.down(silu_and_mul(L.gate_up(n2)));
+      add = L.down(L.gate_up.silu_mul(n2));
     }
     if (final_norm.numel() == 0) return h.add_(add);  // no final norm (an EAGLE head's layer)
     at::Tensor out = at::empty_like(h);
@@ -2528,6 +2609,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &DecoderStack::add_layer)
       .def("set_caches", &DecoderStack::set_caches)
       .def("set_windows", &DecoderStack::set_windows)
+      .def("gate_up_fused", [](const DecoderStack& d) { return !d.layers.empty() && d.layers[0].gate_up.silu_fused; },
+           "whether gate_up and silu_and_mul run as one pass (gate_up_silu) in this stack")
       .def("forward", &DecoderStack::forward, pybind11::arg("x"), pybind11::arg("positions"), pybind11::arg("slots"),
            pybind11::arg("block_table"), pybind11::arg("row_seq"), pybind11::arg("row_kv_len"),
            pybind11::arg("row_extra") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
@@ -2563,6 +2646,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "onednn_linear's choice for this shape at this thread count: -1 not made, 0 oneDNN, 1 split, 2 split once");
   m.def("onednn_linear", &onednn_linear, "x @ W^T through oneDNN's bf16 matmul (W reordered), rows split where that is faster",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gate_up_silu", &gate_up_silu, "silu(x @ Wg^T) * (x @ Wu^T) for 1..128 rows, W = [Wg; Wu] packed (AMX)");
   m.def("skinny_bf16", &skinny_bf16, "x @ W^T for 1..skinny_rows rows: AMX tiles, else the dot-product loop");
   m.def("skinny_fp8", &skinny_fp8, "x @ (W * scales)^T, W float8_e4m3fn [N, K] widened in registers");
   m.def("fp8_linear", &fp8_linear, "x @ (W * scales)^T: skinny_fp8 up to FP8_SKINNY_ROWS rows, else dequantized");
