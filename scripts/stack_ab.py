@@ -1,23 +1,28 @@
 #!/usr/bin/env python
-"""One model step on the fused decoder stack built twice, with an environment switch off and on,
-interleaved step by step in one process: the machine's swings hit both alike.
+"""One model step on the fused decoder stack built twice, interleaved step by step in one process
+(the machine's swings hit both alike): with an environment switch off and on, or from another
+build's kernels and this checkout's.
 
-The switch must be one the native stack reads when it is built (models/fused.py `build`), e.g.
-AXONSERVE_GATE_UP_SILU (gate_up and silu_and_mul in one pass). Decode (default): `--batch` rows of
+A switch must be one the native stack reads when it is built (models/fused.py `build`), e.g.
+AXONSERVE_GATE_UP_SILU (gate_up and silu_and_mul in one pass). `--base SO` instead builds the "off"
+stack from another checkout's compiled kernels (as scripts/attention_ab.py). Decode (default): `--batch` rows of
 `--context` keys each; prompt (`--prefill N`): one N-token prompt in one chunk (AMX attention).
 `--cold` writes 128 MiB before each step. Prints each variant's median and the per-pair ratio
 (on / off, median [min, max]); outputs are compared bit for bit first.
 
     PYTHONPATH=. python scripts/stack_ab.py AXONSERVE_GATE_UP_SILU --batch 32 --context 128
     PYTHONPATH=. python scripts/stack_ab.py AXONSERVE_GATE_UP_SILU --prefill 1024
+    PYTHONPATH=. python scripts/stack_ab.py --base "$BASE" --batch 1   # BASE: see attention_ab.py
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -31,9 +36,17 @@ from axonserve.neuron.ops.attention import AttentionMetadata
 BS = 16
 
 
+def load_module(path: str):
+    spec = importlib.util.spec_from_file_location(Path(path).name.split(".")[0], path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("switch", help="environment variable the stack reads when built (0 = off, 1 = on)")
+    p.add_argument("switch", nargs="?", default="", help="env variable the stack reads when built (0 off, 1 on)")
+    p.add_argument("--base", default="", help="the other build's compiled kernels (.so): the 'off' stack")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--prefill", type=int, default=0, help="one prompt of this many tokens instead of decodes")
@@ -59,10 +72,12 @@ def main() -> None:
         meta = AttentionMetadata.build([1] * rows, [ctx] * rows, tables, BS, native=kernels)
     ids = torch.randint(0, mc.vocab_size, (rows,))
     assert fused.takes(meta, torch.empty(rows, mc.hidden_size)), "this step does not run on the fused stack"
+    assert bool(a.switch) != bool(a.base), "a switch or --base, one of them"
     stacks = {}
     for v in ("0", "1"):
-        os.environ[a.switch] = v
-        stacks[v] = fused.build(inner, caches, kernels)
+        if a.switch:
+            os.environ[a.switch] = v
+        stacks[v] = fused.build(inner, caches, load_module(a.base) if a.base and v == "0" else kernels)
         assert stacks[v] is not None, "no fused stack for this model"
     key = fused.cache_key(caches)
     flush = torch.empty(128 << 20, dtype=torch.uint8)
@@ -85,10 +100,13 @@ def main() -> None:
                 ts[v].append(step(v)[0] * 1e3)
     what = f"prompt of {rows}" if a.prefill else f"decode {rows} rows x {ctx + 1} keys"
     print(f"{what}, {'cold' if a.cold else 'warm'}, {a.steps} pairs")
-    for v, name in (("0", "off"), ("1", "on")):
-        print(f"  {a.switch}={v} ({name}): {statistics.median(ts[v]):.2f} ms [{min(ts[v]):.2f}, {max(ts[v]):.2f}]")
+    label = a.switch or "build"
+    for v, name in (("0", "base" if a.base else "off"), ("1", "this" if a.base else "on")):
+        med, mean = statistics.median(ts[v]), statistics.fmean(ts[v])
+        print(f"  {label}={v} ({name}): {med:.2f} ms [{min(ts[v]):.2f}, {max(ts[v]):.2f}], mean {mean:.2f}")
     r = [x / y for x, y in zip(ts["1"], ts["0"])]
-    print(f"  on / off per pair: {statistics.median(r):.3f} [{min(r):.3f}, {max(r):.3f}]")
+    which = "this / base" if a.base else "on / off"
+    print(f"  {which} per pair: {statistics.median(r):.3f} [{min(r):.3f}, {max(r):.3f}]")
 
 
 if __name__ == "__main__":

@@ -554,6 +554,14 @@ void amx_prefix_head(const AttnArgs& a, const bf16* qp, const bf16* kc, const bf
 void load_attention_tiles();
 #endif
 
+// Attention work (keys x query heads a KV head x head_dim) under which a call stays on the calling
+// thread: an OpenMP team's wake-up costs more. On the kernels' pool (the decoder stack's small
+// steps) a loop costs a few µs and the bar is lower: there an inline attention longer than the
+// members' spin (20 µs: one row of SmolLM2 at ~130 keys) let the member fall asleep and start the
+// next linear (o_proj) late; on the pool a 1-row decode step took 0.93x the time, beside a busy
+// process the same (docs/benchmarks.md#fig-attention-on-pool).
+constexpr int64_t ATTN_INLINE_WORK = 8 * 32768, ATTN_INLINE_WORK_POOL = 32768;
+
 // run(begin, end) over the items 0 .. n - 1 (n = cum.size() - 1), split between the pool's threads
 // so that each gets a contiguous run holding an equal share of the cost cum[n] (cum: running sums
 // of the items' costs), four parts a thread, claimed as threads come free (thread_pool.h). `small`
@@ -706,13 +714,13 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   if (n == 0) return;
   // Each thread takes a contiguous run of items holding an equal share of the keys (+1 per item
   // for its fixed cost): the rows' contexts differ, and a split by item count leaves one thread
-  // streaming while the other waits at the barrier. A small call (one short decode) stays here.
+  // streaming while the other waits at the barrier. A small call stays here (ATTN_INLINE_WORK).
   std::vector<int64_t> cum(n + 1, 0);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t kv = a.kvl[row_of(i / a.Hkv)];
     cum[i + 1] = cum[i] + (a.win > 0 ? std::min(kv, a.win) : kv) + 1;
   }
-  run_by_cost(cum, cum[n] * a.G * a.D < 8 * 32768, run);
+  run_by_cost(cum, cum[n] * a.G * a.D < (axpool_in_scope() ? ATTN_INLINE_WORK_POOL : ATTN_INLINE_WORK), run);
 }
 
 // An int8 or FP8 KV cache (`--kv-cache-dtype int8|fp8*`) holds each (slot, KV head) row as 8-bit

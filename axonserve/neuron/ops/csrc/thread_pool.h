@@ -291,6 +291,15 @@ inline bool axpool_scope(bool on) {
 #endif
 }
 
+// Whether the calling thread's loops go to the kernels' pool now (inside a PoolScope, pool enabled)
+inline bool axpool_in_scope() {
+#if defined(__linux__)
+  return axpool::t_scope && axpool::g_enabled.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
+
 inline int64_t axpool_loops() {
 #if defined(__linux__)
   return axpool::Pool::get().loops();
