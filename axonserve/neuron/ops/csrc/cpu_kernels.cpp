@@ -128,6 +128,13 @@ template <> inline __m512 rnd16<bf16>(__m512 v) {  // in register: c10's round-t
 inline int64_t serial_grain(int64_t per_row, int64_t min_rows) {
   return std::max<int64_t>(min_rows, 32768 / std::max<int64_t>(per_row, 1));
 }
+// The same for a decode step's small row-wise ops (RMSNorm, rotary + KV write): on the kernels' pool
+// a loop costs a few µs, so from ~4k elements they split; inline, 32 rows' rotary (~30 µs) outlasted
+// the member's spin, which then started the attention after it late (docs/benchmarks.md#fig-small-ops-on-pool).
+inline int64_t row_op_grain(int64_t per_row, int64_t min_rows) {
+  if (!axpool_in_scope()) return serial_grain(per_row, min_rows);
+  return std::max<int64_t>(1, 4096 / std::max<int64_t>(per_row, 1));
+}
 
 // Calls f(T{}) with T the kernel type of `t` (bfloat16 or float32): one dtype switch for every kernel.
 template <typename F>
@@ -828,7 +835,7 @@ void rotary_kv_impl(at::Tensor& qkv, int64_t Hq, int64_t Hkv, const at::Tensor& 
   const int64_t* sl = slots.data_ptr<int64_t>();
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
-  pool_for(0, Tn, serial_grain((Hq + Hkv) * D, 16), [&](int64_t begin, int64_t end) {
+  pool_for(0, Tn, row_op_grain((Hq + Hkv) * D, 16), [&](int64_t begin, int64_t end) {
     std::vector<float> row(D);
     for (int64_t t = begin; t < end; ++t) {
       const T* c = ct + pos[t] * D;
@@ -904,7 +911,7 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, at::Tensor* residual, c
   T* rp = residual ? residual->data_ptr<T>() : nullptr;
   const T* wp = w.data_ptr<T>();
   const bool is_f32 = std::is_same<T, float>::value;
-  pool_for(0, Tn, serial_grain(H, 8), [&](int64_t begin, int64_t end) {
+  pool_for(0, Tn, row_op_grain(H, 8), [&](int64_t begin, int64_t end) {
     std::vector<float> y(H);
     for (int64_t t = begin; t < end; ++t) {
       const T* xr = xp + t * H;
