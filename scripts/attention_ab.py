@@ -25,10 +25,8 @@ docs/benchmarks.md#fig-decode-attention-bound, #fig-amx-prefill-overlap, #fig-sh
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -36,13 +34,6 @@ from axonserve.neuron.ops import native
 from axonserve.neuron.ops.attention import AttentionMetadata, paged_attention
 
 HQ, HKV, D, BS, LAYERS = 9, 3, 64, 16, 30
-
-
-def load_module(path: str):
-    spec = importlib.util.spec_from_file_location(Path(path).name.split(".")[0], path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def main() -> None:
@@ -56,7 +47,7 @@ def main() -> None:
     p.add_argument("--prefix-groups", type=int, default=1, help="distinct shared prefixes (row i: prefix i %% groups)")
     args = p.parse_args()
     torch.manual_seed(0)
-    mods = {"this": native.for_dtype(torch.bfloat16), "base": load_module(args.base)}
+    mods = {"this": native.for_dtype(torch.bfloat16), "base": native.load_build(args.base)}
     seqs, rows = (1, args.prefill) if args.prefill else (args.rows, args.rows)
     query_lens, context_lens = ([rows], [0]) if args.prefill else ([1] * rows, [args.context] * rows)
     per = -(-(context_lens[0] + query_lens[0]) // BS)

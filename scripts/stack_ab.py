@@ -18,11 +18,9 @@ stack from another checkout's compiled kernels (as scripts/attention_ab.py). Dec
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -34,13 +32,6 @@ from axonserve.neuron.ops import native
 from axonserve.neuron.ops.attention import AttentionMetadata
 
 BS = 16
-
-
-def load_module(path: str):
-    spec = importlib.util.spec_from_file_location(Path(path).name.split(".")[0], path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def main() -> None:
@@ -77,7 +68,7 @@ def main() -> None:
     for v in ("0", "1"):
         if a.switch:
             os.environ[a.switch] = v
-        stacks[v] = fused.build(inner, caches, load_module(a.base) if a.base and v == "0" else kernels)
+        stacks[v] = fused.build(inner, caches, native.load_build(a.base) if a.base and v == "0" else kernels)
         assert stacks[v] is not None, "no fused stack for this model"
     key = fused.cache_key(caches)
     flush = torch.empty(128 << 20, dtype=torch.uint8)

@@ -120,6 +120,12 @@ def _import(name: str, path: Path) -> ModuleType:
     return mod
 
 
+def load_build(path: str | Path) -> ModuleType:
+    """Another checkout's compiled kernels (its .so), beside this one's: the A/B scripts' base."""
+    path = Path(path)
+    return _import(path.name.split(".")[0], path)
+
+
 if __name__ == "__main__":  # python -m axonserve.neuron.ops.native: build now (scripts/setup)
     ok = kernels() is not None
     print(f"axonserve native kernels: {'ready in ' + str(build_dir()) if ok else 'unavailable (torch fallback)'}")
