@@ -168,7 +168,25 @@ static void amx_setup() {
   _tile_loadconfig(&c);
 }
 static const bf* vn;  // V in the VNNI layout: per (block, KV head) [slice 4][pair 8][32 bf16]
+// a key's (block, KV head) in the pre-laid values, from its cache offset
+static inline const bf* vn_block(int64_t off) {
+  const int64_t e = off / D, h = e % HKV, b = e / HKV / BS;
+  return vn + (b * HKV + h) * BS * D;
+}
 static inline int dim_of(int c, int n) { return (c >> 1) * 32 + (n >> 2) * 8 + (c & 1) * 4 + (n & 3); }
+
+// O (tiles 0..3, one per 16-dim value slice) += P (tile 5) x V (each slice through tile 6)
+static inline void pv_tiles(const uint16_t* p, const bf* v) {
+  _tile_loadd(5, p, 32);
+  _tile_loadd(6, v, 64);
+  _tile_dpbf16ps(0, 5, 6);
+  _tile_loadd(6, v + 256, 64);
+  _tile_dpbf16ps(1, 5, 6);
+  _tile_loadd(6, v + 512, 64);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_loadd(6, v + 768, 64);
+  _tile_dpbf16ps(3, 5, 6);
+}
 
 template <bool VN, bool SPLIT = false>
 static void amx_item(const int64_t* off, const bf* q, float* out) {
@@ -190,8 +208,7 @@ static void amx_item(const int64_t* off, const bf* q, float* out) {
     const int nk = std::min(16, L - t);
     for (int i = t + 32; i < std::min(t + 48, L); ++i) prefetch_row(kc + off[i]);
     if (VN) {
-      const int64_t e = off[t] / D, h = e % HKV, b = e / HKV / BS;
-      const char* vb = reinterpret_cast<const char*>(vn + (b * HKV + h) * BS * D);
+      const char* vb = reinterpret_cast<const char*>(vn_block(off[t]));
       for (int z = 0; z < 2048; z += 64) _mm_prefetch(vb + z, _MM_HINT_T0);
     } else {
       for (int i = t; i < t + nk; ++i) prefetch_row(vc + off[i]);
@@ -226,8 +243,7 @@ static void amx_item(const int64_t* off, const bf* q, float* out) {
     }
     const bf* src;
     if (VN) {
-      const int64_t e = off[t] / D, h = e % HKV, b = e / HKV / BS;
-      src = vn + (b * HKV + h) * BS * D;
+      src = vn_block(off[t]);
     } else {
       for (int p = 0; p < 8; ++p) {
         const bf* r0 = vc + off[t + std::min(2 * p, nk - 1)];
@@ -240,26 +256,8 @@ static void amx_item(const int64_t* off, const bf* q, float* out) {
       }
       src = vbuf;
     }
-    _tile_loadd(5, pbuf, 32);
-    _tile_loadd(6, src, 64);
-    _tile_dpbf16ps(0, 5, 6);
-    _tile_loadd(6, src + 256, 64);
-    _tile_dpbf16ps(1, 5, 6);
-    _tile_loadd(6, src + 512, 64);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_loadd(6, src + 768, 64);
-    _tile_dpbf16ps(3, 5, 6);
-    if (SPLIT) {
-      _tile_loadd(5, pbuf2, 32);
-      _tile_loadd(6, src, 64);
-      _tile_dpbf16ps(0, 5, 6);
-      _tile_loadd(6, src + 256, 64);
-      _tile_dpbf16ps(1, 5, 6);
-      _tile_loadd(6, src + 512, 64);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_loadd(6, src + 768, 64);
-      _tile_dpbf16ps(3, 5, 6);
-    }
+    pv_tiles(pbuf, src);
+    if (SPLIT) pv_tiles(pbuf2, src);
   }
   _tile_stored(0, ob[0], 64);
   _tile_stored(1, ob[1], 64);
