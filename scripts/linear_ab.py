@@ -7,7 +7,8 @@ by `--rows` rows each, as one decode step of that batch runs them. Before each s
 the L3 is written, so the weights come from DRAM, as a busy neighbour leaves the cache. Each round
 sweeps once with each contender: this build's skinny kernel (`this`), the base build's (`base`,
 where it takes that many rows) and oneDNN on the reordered weight (`onednn`, what rows above the
-skinny limit get). Per-round ratios to `base` (else `onednn`) are reported: the machine's hourly
+skinny limit get), plus `dot`, the AVX512-BF16 dot-product loop (`dot_bf16`, what a CPU without
+AMX runs for 4-128 rows), with `--dot`. Per-round ratios to `base` (else `onednn`) are reported: the machine's hourly
 swings cancel in a ratio of neighbouring sweeps.
 
     BASE=$(cd /tmp && PYTHONPATH=/tmp/base python -c \
@@ -38,6 +39,7 @@ def main() -> None:
     p.add_argument("--rows", default="32,64,96,128", help="comma-separated row counts")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--int8", action="store_true", help="int8 weights (skinny_int8) instead of bf16")
+    p.add_argument("--dot", action="store_true", help="also this build's dot_bf16 (AVX512-BF16, no AMX)")
     args = p.parse_args()
     torch.manual_seed(0)
     this = native.for_dtype(torch.bfloat16)
@@ -53,11 +55,13 @@ def main() -> None:
         for w in (torch.randn(n, k, dtype=torch.bfloat16) / k**0.5 for n, k in shapes)
     ]
     if weights[0].skinny is None:
-        raise SystemExit("no AMX skinny kernels on this CPU")
+        raise SystemExit("no skinny kernels on this CPU")
     skinny = [q.skinny for q in weights]
     reordered = [q.data for q in weights]
 
     def mul(mod, x: torch.Tensor, i: int) -> torch.Tensor:
+        if mod == "dot":
+            return this.dot_bf16(x, skinny[i])
         if args.int8:
             return mod.skinny_int8(x, skinny[i], weights[i].skinny_scales)
         return mod.skinny_bf16(x, skinny[i])
@@ -71,7 +75,7 @@ def main() -> None:
             for (_, k), w in zip(shapes, reordered):
                 onednn_matmul(x[k], w)
         else:
-            mod = mods[name]
+            mod = mods.get(name, name)
             for i, (_, k) in enumerate(shapes):
                 mul(mod, x[k], i)
         return (time.perf_counter() - t) * 1e3
@@ -82,9 +86,11 @@ def main() -> None:
     for rows in [int(r) for r in args.rows.split(",")]:
         x = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (HIDDEN, INTER)}
         names = [n for n, m in mods.items() if rows <= m.skinny_rows(skinny[0])] + ["onednn"]
+        if args.dot and rows <= 128:
+            names.insert(0, "dot")
         outs = {}
         for n in names:  # correctness and warm-up: the products agree to a bf16 rounding
-            outs[n] = mul(mods[n], x[HIDDEN], 2) if n != "onednn" else onednn_matmul(x[HIDDEN], reordered[2])
+            outs[n] = mul(mods.get(n, n), x[HIDDEN], 2) if n != "onednn" else onednn_matmul(x[HIDDEN], reordered[2])
         ref = outs["onednn"].float()
         ms: dict[str, list[float]] = {n: [] for n in names}
         for _ in range(args.rounds):

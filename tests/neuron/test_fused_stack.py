@@ -110,12 +110,12 @@ def test_stack_equals_the_python_modules(model_dirs, arch, dtype, quantization, 
     assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
 
 
-def test_gate_up_and_silu_fused_on_amx(model_dirs, monkeypatch):
-    """bf16 packed on AMX: the stack runs gate_up and silu_and_mul as one pass (gate_up_silu), with
-    the bits of the two ops (AXONSERVE_GATE_UP_SILU=0 keeps them apart)."""
+def test_gate_up_and_silu_fused(model_dirs, monkeypatch):
+    """bf16 packed on AMX or AVX512-BF16: the stack runs gate_up and silu_and_mul as one pass
+    (gate_up_silu), with the bits of the two ops (AXONSERVE_GATE_UP_SILU=0 keeps them apart)."""
     K = native.kernels()
     if K.skinny_rows(K.pack_gemv_weight(torch.zeros(16, 32, dtype=torch.bfloat16))) != 128:
-        pytest.skip("no AMX tiles on this CPU")
+        pytest.skip("no AMX tiles nor AVX512-BF16 on this CPU")
     model = load_model(ModelConfig.from_dir(model_dirs["LlamaForCausalLM"]), torch.bfloat16, progress=False, pack=True)
     runs = {}
     for v in ("0", "1"):

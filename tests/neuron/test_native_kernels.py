@@ -65,15 +65,13 @@ def test_silu_and_mul(dtype, inter, rows):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5, equal_nan=True)
 
 
-def _amx() -> bool:
-    return K is not None and K.skinny_rows(K.pack_gemv_weight(torch.zeros(16, 32, dtype=torch.bfloat16))) == 128
-
-
-@pytest.mark.skipif(not _amx(), reason="no AMX tiles on this CPU")
+@pytest.mark.skipif(K is None or not K.has_bf16_gemv(), reason="no AVX512-BF16 on this CPU")
 @pytest.mark.parametrize("inter,hidden", [(1536, 576), (48, 64)])  # SmolLM2's MLP; an odd count of gate blocks
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 100, 128])  # amx_rows16; amx_rows32's passes
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 17, 32, 33, 100, 128])  # AMX passes; the dot loop's row groups
 def test_gate_up_silu_is_the_two_ops_in_one_pass(inter, hidden, rows):
-    """gate_up_silu: skinny_bf16 on [gate; up] then silu_and_mul, bit for bit (NaN rows included)."""
+    """gate_up_silu: skinny_bf16 on [gate; up] then silu_and_mul, bit for bit (NaN rows included),
+    on AMX tiles where the CPU has them; the dot-product loop's fused epilogue (a CPU without AMX)
+    against its own two ops on any CPU with AVX512-BF16."""
     w = (torch.randn(2 * inter, hidden, generator=_gen(2)) * 0.05).bfloat16()
     wp = K.pack_gemv_weight(w)
     x = torch.randn(rows, hidden, generator=_gen(3)).bfloat16()
@@ -85,10 +83,15 @@ def test_gate_up_silu_is_the_two_ops_in_one_pass(inter, hidden, rows):
     # rows of a wider tensor (x a view with a row stride): the same
     wide = torch.cat([x, torch.zeros(rows, 32, dtype=x.dtype)], 1)[:, :hidden]
     torch.testing.assert_close(K.gate_up_silu(wide, wp), want, atol=0, rtol=0, equal_nan=True)
+    dot = K.silu_and_mul(K.dot_bf16(x, wp))
+    torch.testing.assert_close(K.dot_bf16(x, wp, silu=True), dot, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(K.dot_bf16(wide, wp, silu=True), dot, atol=0, rtol=0, equal_nan=True)
     with pytest.raises(RuntimeError, match="rows"):
         K.gate_up_silu(torch.zeros(129, hidden, dtype=torch.bfloat16), wp)
-    with pytest.raises(RuntimeError, match="I of 16"):
+    with pytest.raises(RuntimeError, match="multiple of 16"):
         K.gate_up_silu(x, K.pack_gemv_weight(w[:-16]))
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        K.dot_bf16(x, K.pack_gemv_weight(w[:-16]), silu=True)
 
 
 @pytest.mark.skipif(not (K is not None and K.amx_attention(64)), reason="no AMX tiles on this CPU")

@@ -113,9 +113,9 @@ def test_bf16_packed_weights_give_the_same_products(rows, n):
     got = pw.matmul(x)
     if skinny and rows <= pw.skinny_rows:
         assert rounded_once(got, x)
-        if rows <= 8:  # the dot-product loop takes 1..8 rows whichever kernel serves them here
-            assert rounded_once(k.gemv_bf16(x, pw.skinny), x)
-    else:
+    if skinny and rows <= 128:  # the dot-product loop (what a CPU without AMX runs), here too
+        assert rounded_once(k.dot_bf16(x, pw.skinny), x)
+    if not skinny or rows > pw.skinny_rows:
         assert torch.equal(got, torch.nn.functional.linear(x, w))
 
 
@@ -155,8 +155,9 @@ def test_onednn_products_split_by_rows_round_once(mode, monkeypatch):
 def test_skinny_matmul_takes_every_row_count(k):
     """Each row count has its own tile configuration (AMX: 1..16 one row tile, 17..32 two, more in
     passes of 32 over each pair of column blocks, the last pass partial) or register blocking (the
-    dot-product loop): all of them, against the float64 product; and a row's bits do not depend
-    on the batch it is in (the passes cut rows, never a row's sum)."""
+    dot-product loop without AMX: groups of 8 rows over 3 column blocks, the last ones partial):
+    all of them, against the float64 product; and a row's bits do not depend on the batch it is
+    in (the passes and groups cut rows, never a row's sum)."""
     from axonserve.neuron.layers.quant import PackedWeight, can_pack
 
     pw = PackedWeight(torch.randn(80, k).bfloat16()) if can_pack(torch.bfloat16) else None
@@ -164,16 +165,15 @@ def test_skinny_matmul_takes_every_row_count(k):
         pytest.skip("no skinny-matmul kernel on this CPU")
     w = pw.skinny.permute(0, 2, 1, 3).reshape(80, k).double()  # [N/16, K/2, 16, 2] back to [N, K]
     assert pw.matmul(torch.randn(0, k).bfloat16()).shape == (0, 80)  # an empty batch, not a crash
-    for m in range(1, max(pw.skinny_rows, 8) + 1):
+    for m in range(1, 129):
         xm = torch.randn(m, k).bfloat16()
         if m <= pw.skinny_rows:
             got = pw.matmul(xm)
             torch.testing.assert_close(got.double(), xm.double() @ w.T, atol=0.05, rtol=1e-2)
             assert torch.equal(got, torch.cat([pw.matmul(xm[i : i + 5]) for i in range(0, m, 5)])), m
-        if m <= 8:
-            torch.testing.assert_close(
-                pw.kernels.gemv_bf16(xm, pw.skinny).double(), xm.double() @ w.T, atol=0.05, rtol=1e-2
-            )
+        dot = pw.kernels.dot_bf16(xm, pw.skinny)  # (on AMX machines too)
+        torch.testing.assert_close(dot.double(), xm.double() @ w.T, atol=0.05, rtol=1e-2)
+        assert torch.equal(dot, torch.cat([pw.kernels.dot_bf16(xm[i : i + 5], pw.skinny) for i in range(0, m, 5)]))
 
 
 @pytest.mark.skipif(not onednn_bf16(), reason="this CPU has no oneDNN bf16 path (AVX512-BW/VL/DQ or AVX-NE-CONVERT)")

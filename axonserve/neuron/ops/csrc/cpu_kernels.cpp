@@ -1185,51 +1185,108 @@ at::Tensor sample_rows(at::Tensor x, at::Tensor inv_temp, at::Tensor u) {
 }
 
 // ------------------------------------------------------------------ skinny bf16 matmul
-// out[M, N] = x[M, K] @ W^T for a few rows (M <= GEMV_MAX_ROWS): memory-bound, so the weight is
-// streamed once in a layout made for AVX512-BF16's pair dot product, wp [N/16, K/2, 16, 2]
-// (16 output columns x one K pair per 64-byte vector), float32 accumulation, one rounding to bf16.
-// oneDNN's AMX kernel reads bf16 weights at ~15 GB/s at M = 1 on this machine (tiles made for 16+
-// rows); this loop streams them near the memory limit.
-constexpr int64_t GEMV_MAX_ROWS = 8;
+// out[M, N] = x[M, K] @ W^T for a decode batch (M <= DOT_MAX_ROWS) without AMX: the weight is
+// streamed once in a layout made for AVX512-BF16's pair dot product, wp [N/16, K/2, 16, 2] (16
+// output columns x one K pair per 64-byte vector), float32 accumulation, one rounding to bf16.
+// oneDNN's kernels read bf16 weights at about half the memory bandwidth at 1-8 rows; this loop
+// streams them near the memory limit, and at 32-64 rows runs nearer the dot product's peak.
+
+// Where column block b of a packed weight lies, `bs` elements a block. `half` (gate_up_silu): the
+// weight is [gate; up] with `half` column blocks each, and the kernels walk its blocks interleaved
+// (gate 0, up 0, gate 1, up 1, ...) so a pass holds a gate block and its up block side by side; 0:
+// blocks in order.
+template <typename W>
+struct BlockMap {
+  const W* w;
+  int64_t bs, half;
+  const W* at(int64_t b) const { return w + (half ? ((b & 1) ? half + (b >> 1) : b >> 1) : b) * bs; }
+};
 
 #if defined(AXON_AVX512) && defined(__AVX512BF16__)
-template <int MR>
-void gemv_block(const bf16* xp, int64_t xs, const bf16* wb, bf16* op, int64_t os, int64_t K2) {
-  constexpr int C = MR <= 2 ? 4 : 2;  // independent accumulators per row: hide the dot-product latency
-  __m512 acc[MR][C];
+// The weight's 16-column blocks are taken a few at a time, and every row group of x passes over
+// those blocks while they are in L2 (rows x blocks float32 accumulators, each x pair broadcast
+// from memory), so the weight streams from memory once whatever M is; the second row group
+// requests the next blocks into L2. A row's sums run in K order in one accumulator: its result
+// does not depend on the other rows (1 row or 128). SILU: the blocks come in (gate i, up i) pairs
+// of gate_up_proj's weight and the epilogue writes silu_and_mul's bits of the two rounded products.
+template <bool SILU> constexpr int bdot_nr() { return SILU ? 4 : 3; }  // blocks a group
+template <bool SILU> constexpr int bdot_mr() { return SILU ? 6 : 8; }  // rows a group (24 accumulators)
+
+template <int MR, int NR, bool SILU>
+void bdot_tile(const int32_t* const* xr, const bf16* const* wj, bf16* op, int64_t os, int64_t K2,
+              const bf16* const* pf) {
+  __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
-    for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_ps();
-  const int32_t* xr[MR];
-  for (int m = 0; m < MR; ++m) xr[m] = reinterpret_cast<const int32_t*>(xp + m * xs);
-  int64_t p = 0;
-  for (; p + C <= K2; p += C) {
-    for (int c = 0; c < C; ++c) {
-      const __m512bh w = (__m512bh)_mm512_loadu_si512(wb + (p + c) * 32);
-      for (int m = 0; m < MR; ++m)
-        acc[m][c] = _mm512_dpbf16_ps(acc[m][c], (__m512bh)_mm512_set1_epi32(xr[m][p + c]), w);
+    for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < K2; ++p) {
+    __m512bh w[NR];
+    for (int j = 0; j < NR; ++j) w[j] = (__m512bh)_mm512_loadu_si512(wj[j] + p * 32);
+    if (pf)
+      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf[j] + p * 32), _MM_HINT_T1);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(xr[m][p]);
+      for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], b, w[j]);
     }
   }
-  for (; p < K2; ++p) {
-    const __m512bh w = (__m512bh)_mm512_loadu_si512(wb + p * 32);
-    for (int m = 0; m < MR; ++m) acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)_mm512_set1_epi32(xr[m][p]), w);
-  }
   for (int m = 0; m < MR; ++m) {
-    __m512 s = acc[m][0];
-    for (int c = 1; c < C; ++c) s = _mm512_add_ps(s, acc[m][c]);
-    store16(op + m * os, s);
+    if constexpr (SILU) {
+      for (int i = 0; i < NR / 2; ++i)
+        store16(op + m * os + i * 16, silu_mul16<bf16>(rnd16<bf16>(acc[m][2 * i]), rnd16<bf16>(acc[m][2 * i + 1])));
+    } else {
+      for (int j = 0; j < NR; ++j) store16(op + m * os + j * 16, acc[m][j]);
+    }
   }
 }
 
-template <int MR>
-void gemv_rows(const at::Tensor& x, const at::Tensor& wp, at::Tensor& out) {
-  const int64_t NB = wp.size(0), K2 = wp.size(1);
+// bdot_tile for mr (1..MR) rows
+template <int NR, bool SILU, int MR = bdot_mr<SILU>()>
+void bdot_tile_rows(int64_t mr, const int32_t* const* xr, const bf16* const* wj, bf16* op, int64_t os, int64_t K2,
+                   const bf16* const* pf) {
+  if constexpr (MR > 1)
+    if (mr < MR) return bdot_tile_rows<NR, SILU, MR - 1>(mr, xr, wj, op, os, K2, pf);
+  bdot_tile<MR, NR, SILU>(xr, wj, op, os, K2, pf);
+}
+
+template <int NR, bool SILU>
+void bdot_group(const bf16* xp, int64_t xs, int64_t M, const bf16* const* wj, bf16* op, int64_t os, int64_t K2,
+               const bf16* const* next) {
+  constexpr int MR = bdot_mr<SILU>();
+  const int32_t* xr[MR];
+  for (int64_t m0 = 0, r = 0; m0 < M; m0 += MR, ++r) {
+    const int64_t mr = std::min<int64_t>(MR, M - m0);
+    for (int64_t m = 0; m < mr; ++m) xr[m] = reinterpret_cast<const int32_t*>(xp + (m0 + m) * xs);
+    // the next blocks into L2 during the second row group (the first streams these from memory)
+    const bf16* const* pf = r == std::min<int64_t>(1, (M - 1) / MR) ? next : nullptr;
+    bdot_tile_rows<NR, SILU>(mr, xr, wj, op + m0 * os, os, K2, pf);
+  }
+}
+
+template <bool SILU>
+void bdot_rows(const at::Tensor& x, const at::Tensor& wp, at::Tensor& out) {
+  constexpr int NR = bdot_nr<SILU>();
+  const int64_t NB = wp.size(0), K2 = wp.size(1), M = x.size(0);
+  const int64_t G = (NB + NR - 1) / NR;
+  const BlockMap<bf16> map{wp.data_ptr<bf16>(), K2 * 32, SILU ? NB / 2 : 0};  // SILU: gate 0, up 0, gate 1, ...
   const bf16* xp = x.data_ptr<bf16>();
-  const bf16* w = wp.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
   const int64_t xs = x.stride(0), os = out.stride(0);
-  // ~16k weight pairs per task: a small matrix stays on the calling thread
-  pool_for(0, NB, std::max<int64_t>(1, 16384 / (K2 * 16)), [&](int64_t begin, int64_t end) {
-    for (int64_t nb = begin; nb < end; ++nb) gemv_block<MR>(xp, xs, w + nb * K2 * 32, op + nb * 16, os, K2);
+  // ~64k weight pairs x rows a task: a small product stays on the calling thread
+  pool_for(0, G, std::max<int64_t>(1, 65536 / (K2 * 16 * NR * M)), [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t v0 = g * NR, nr = std::min<int64_t>(NR, NB - v0);
+      const bf16* wj[NR];
+      const bf16* nx[NR];
+      for (int j = 0; j < NR; ++j) {
+        wj[j] = map.at(std::min(v0 + j, NB - 1));
+        nx[j] = map.at(std::min(v0 + NR + j, NB - 1));
+      }
+      // the next group's blocks into L2 while this one is in use, when it is this task's and whole
+      const bf16* const* next = g + 1 < end && NB - v0 >= 2 * NR ? nx : nullptr;
+      bf16* o = op + (SILU ? v0 / 2 : v0) * 16;
+      if (nr == NR) bdot_group<NR, SILU>(xp, xs, M, wj, o, os, K2, next);
+      else if (nr == 2) bdot_group<2, SILU>(xp, xs, M, wj, o, os, K2, nullptr);  // (SILU: one pair)
+      else if constexpr (!SILU) bdot_group<1, SILU>(xp, xs, M, wj, o, os, K2, nullptr);
+    }
   });
 }
 #endif
@@ -1341,16 +1398,7 @@ inline void widen_tile(const int8_t* w, bf16* buf, const Int8Tables& t) {
 // Where a pass's B tiles come from (block j of the pass at column block nb, K step kc): bf16
 // weights where they lie; int8 weights widened one K step ahead into a double buffer, so a tile
 // load never waits on the stores that just wrote it (loading right after them ran no faster than
-// bf16's twice-as-large stream).
-// `half` (gate_up_silu): the weight is [gate; up] with `half` column blocks each, and the kernels
-// walk its blocks interleaved (gate 0, up 0, gate 1, up 1, ...) so a pass holds a gate block and
-// its up block side by side; 0: blocks in order.
-template <typename W>
-struct BlockMap {
-  const W* w;
-  int64_t bs, half;
-  const W* at(int64_t b) const { return w + (half ? ((b & 1) ? half + (b >> 1) : b >> 1) : b) * bs; }
-};
+// bf16's twice-as-large stream). Block order: BlockMap (gate_up_silu: gate and up interleaved).
 template <typename W> struct BTiles;
 template <> struct BTiles<bf16> : BlockMap<bf16> {
   void widen(int64_t, int64_t, int64_t) {}
@@ -1516,7 +1564,7 @@ void amx_matmul(const at::Tensor& x, const W* w, const float* scales, int64_t NB
   const int64_t xs = x.stride(0), os = out.stride(0), half = SILU ? NB / 2 : 0;
   const int64_t group = M <= 16 ? 4 : 2;  // column blocks per tile pass
   const int64_t groups = (NB + group - 1) / group;
-  // ~16k weight pairs per task, as gemv_rows: a small matrix stays on the calling thread
+  // ~16k weight pairs per task: a small matrix stays on the calling thread
   pool_for(0, groups, std::max<int64_t>(1, 16384 / (K2 * 16 * group)), [&](int64_t b, int64_t e) {
     const int64_t nb0 = b * group, nb1 = std::min(NB, e * group);
     if (M <= 16) amx_rows16<W, SILU>(xp, xs, w, scales, K2, M, op, os, nb0, nb1, half);
@@ -1575,36 +1623,35 @@ void check_skinny_args(const at::Tensor& x, const at::Tensor& wp, at::ScalarType
   TORCH_CHECK(x.size(1) == 2 * wp.size(1), "x has ", x.size(1), " columns, the weight ", 2 * wp.size(1));
 }
 
-at::Tensor gemv_bf16(at::Tensor x, at::Tensor wp) {
-  TORCH_CHECK(has_bf16_gemv(), "gemv_bf16 needs AVX512-BF16");
+// x @ W^T for 0..DOT_MAX_ROWS rows on AVX512-BF16's dot-product loop (bdot_rows): skinny_bf16's
+// kernel where AMX does not take the weight; with `silu`, gate_up_silu's there. Exposed on its own
+// so that tests run it on AMX machines too.
+constexpr int64_t DOT_MAX_ROWS = 128;
+at::Tensor dot_bf16(at::Tensor x, at::Tensor wp, bool silu) {
+  TORCH_CHECK(has_bf16_gemv(), "dot_bf16 needs AVX512-BF16");
   check_skinny_args(x, wp);
-  const int64_t M = x.size(0);
-  TORCH_CHECK(M >= 1 && M <= GEMV_MAX_ROWS, "gemv_bf16 takes 1..", GEMV_MAX_ROWS, " rows");
-  at::Tensor out = at::empty({M, wp.size(0) * 16}, x.options());
+  const int64_t M = x.size(0), NB = wp.size(0);
+  TORCH_CHECK(M <= DOT_MAX_ROWS, "dot_bf16 takes 0..", DOT_MAX_ROWS, " rows");
+  TORCH_CHECK(!silu || NB % 2 == 0, "silu: I a multiple of 16");
+  at::Tensor out = at::empty({M, silu ? NB / 2 * 16 : NB * 16}, x.options());
+  if (M == 0) return out;
 #if defined(AXON_AVX512) && defined(__AVX512BF16__)
-  switch (M) {
-    case 1: gemv_rows<1>(x, wp, out); break;
-    case 2: gemv_rows<2>(x, wp, out); break;
-    case 3: gemv_rows<3>(x, wp, out); break;
-    case 4: gemv_rows<4>(x, wp, out); break;
-    case 5: gemv_rows<5>(x, wp, out); break;
-    case 6: gemv_rows<6>(x, wp, out); break;
-    case 7: gemv_rows<7>(x, wp, out); break;
-    default: gemv_rows<8>(x, wp, out); break;
-  }
+  if (silu) bdot_rows<true>(x, wp, out);
+  else bdot_rows<false>(x, wp, out);
 #endif
   return out;
 }
 
-// The most rows skinny_bf16 should take for this packed weight: 128 with AMX (K a multiple of 32);
-// with AVX512-BF16 only 3 (measured: from 4 rows on oneDNN is as fast); 0 without either. An int8
-// weight (skinny_int8) takes 64 with AMX, else 0.
-constexpr int64_t GEMV_FAST_ROWS = 3;
+// The most rows skinny_bf16 should take for this packed weight: 128 with AMX (K a multiple of 32)
+// or with AVX512-BF16 alone (dot_bf16: SmolLM2's decode linears from DRAM on a 2-core Zen 4 took
+// 0.52x oneDNN's time at 1 row, 0.63x at 4-8, 0.79x at 32, 0.85x at 64, 0.96x at 128,
+// docs/benchmarks.md#fig-zen4-dot); 0 without either. An int8 weight (skinny_int8) takes 64 with
+// AMX, else 0.
 int64_t skinny_rows(at::Tensor wp) {
   if (!has_bf16_gemv()) return 0;
   const bool int8 = wp.scalar_type() == at::kChar;
   if (amx_fits(wp)) return int8 ? AMX_INT8_MAX_ROWS : AMX_MAX_ROWS;
-  return int8 ? 0 : GEMV_FAST_ROWS;
+  return int8 ? 0 : DOT_MAX_ROWS;
 }
 
 // x @ W^T for 1..skinny_rows(wp) rows: through AMX tiles when the CPU has them (one row too:
@@ -1614,7 +1661,7 @@ at::Tensor skinny_bf16(at::Tensor x, at::Tensor wp) {
   const int64_t M = x.size(0);
   check_skinny_args(x, wp);
   if (M == 0) return at::empty({0, wp.size(0) * 16}, x.options());  // a zero-row tile config is invalid
-  if (!amx_fits(wp)) return gemv_bf16(x, wp);
+  if (!amx_fits(wp)) return dot_bf16(x, wp, false);
   TORCH_CHECK(M <= AMX_MAX_ROWS, "skinny_bf16 takes 1..", AMX_MAX_ROWS, " rows");
   at::Tensor out = at::empty({M, wp.size(0) * 16}, x.options());
 #ifdef AXON_AMX
@@ -1626,13 +1673,15 @@ at::Tensor skinny_bf16(at::Tensor x, at::Tensor wp) {
 // silu(x @ Wg^T) * (x @ Wu^T) for 1..AMX_MAX_ROWS rows, W = [Wg; Wu] packed (pack_gemv_weight of
 // gate_up_proj's weight): skinny_bf16 then silu_and_mul in one pass over the tiles, bit for bit
 // (each accumulator rounded to bf16 first, then silu_and_mul's arithmetic), without writing and
-// reading back the [M, 2I] product. AMX only; I a multiple of 16. A decode step 0.93-0.97x the
-// time at 1-128 rows (docs/benchmarks.md#fig-gate-up-silu).
+// reading back the [M, 2I] product. On AMX tiles, else on AVX512-BF16's dot-product loop
+// (bdot_rows); I a multiple of 16. On AMX a decode step 0.93-0.97x the time at 1-128 rows
+// (docs/benchmarks.md#fig-gate-up-silu).
 at::Tensor gate_up_silu(at::Tensor x, at::Tensor wp) {
   check_skinny_args(x, wp);
-  TORCH_CHECK(amx_fits(wp) && wp.size(0) % 2 == 0, "gate_up_silu needs AMX, K a multiple of 32 and I of 16");
+  TORCH_CHECK(has_bf16_gemv() && wp.size(0) % 2 == 0, "gate_up_silu needs AVX512-BF16 and I a multiple of 16");
   const int64_t M = x.size(0), NB = wp.size(0);
   TORCH_CHECK(M <= AMX_MAX_ROWS, "gate_up_silu takes 0..", AMX_MAX_ROWS, " rows");
+  if (!amx_fits(wp)) return dot_bf16(x, wp, true);
   at::Tensor out = at::empty({M, NB / 2 * 16}, x.options());
 #ifdef AXON_AMX
   if (M) amx_matmul<bf16, true>(x, wp.data_ptr<bf16>(), nullptr, NB, wp.size(1), out);
@@ -2518,7 +2567,7 @@ struct StackLinear {
   }
 
   // silu_and_mul of this projection (gate_up_proj): in one pass (gate_up_silu, the same bits) where
-  // its skinny copy is bf16 on AMX without a bias and takes the rows; else the product, then
+  // its skinny copy is bf16 (AMX or AVX512-BF16) without a bias and takes the rows; else the product, then
   // silu_and_mul. (Prompt rows keep oneDNN: an AMX pass like amx_rows32's over L2-sized column
   // groups ran at oneDNN's speed, so fusing there bought nothing; docs/benchmarks.md#fig-gate-up-silu.)
   at::Tensor silu_mul(const at::Tensor& x) const {
@@ -2528,7 +2577,7 @@ struct StackLinear {
   bool silu_fused = false;  // set by DecoderStack for gate_up_proj (fusable())
   bool fusable() const {
     return kind == PACKED && !bias.defined() && aux.defined() && aux.numel() && aux.scalar_type() == at::kBFloat16 &&
-           amx_fits(aux) && aux.size(0) % 2 == 0;
+           has_bf16_gemv() && aux.size(0) % 2 == 0;
   }
 };
 
@@ -2650,9 +2699,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_spin_us", &axpool_spin_us, "how long the pool's members spin after a loop (AXONSERVE_POOL_SPIN_US, bounded)");
   m.def("pool_scope", [](bool on) { return axpool_scope(on); },
         "this thread's kernel loops on the pool (as the decoder stack's small steps); returns the previous setting");
-  m.def("has_bf16_gemv", &has_bf16_gemv, "gemv_bf16 is compiled in (AVX512-BF16)");
-  m.def("pack_gemv_weight", &pack_gemv_weight, "bf16 [N, K] weight into gemv_bf16's layout");
-  m.def("gemv_bf16", &gemv_bf16, "x @ W^T for 1..8 bf16 rows against a packed weight (dot-product loop)");
+  m.def("has_bf16_gemv", &has_bf16_gemv, "dot_bf16 is compiled in (AVX512-BF16)");
+  m.def("pack_gemv_weight", &pack_gemv_weight, "bf16 [N, K] weight into the skinny kernels' layout");
   m.def("skinny_rows", &skinny_rows, "the most rows skinny_bf16 takes for this packed weight");
   m.def("pack_int8_weight", &pack_int8_weight, "int8 [N, K] weight into skinny_int8's layout");
   m.def("skinny_int8", &skinny_int8, "x @ (W * scales)^T for 0..64 bf16 rows, W int8 packed (AMX)");
@@ -2661,7 +2709,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "onednn_linear's choice for this shape at this thread count: -1 not made, 0 oneDNN, 1 split, 2 split once");
   m.def("onednn_linear", &onednn_linear, "x @ W^T through oneDNN's bf16 matmul (W reordered), rows split where that is faster",
         pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("gate_up_silu", &gate_up_silu, "silu(x @ Wg^T) * (x @ Wu^T) for 1..128 rows, W = [Wg; Wu] packed (AMX)");
+  m.def("gate_up_silu", &gate_up_silu, "silu(x @ Wg^T) * (x @ Wu^T) for 1..128 rows, W = [Wg; Wu] packed (AMX, or AVX512-BF16)");
+  m.def("dot_bf16", &dot_bf16, "x @ W^T for 0..128 rows on AVX512-BF16's dot-product loop (skinny_bf16 without AMX); "
+        "silu: gate_up_silu's product", py::arg("x"), py::arg("wp"), py::arg("silu") = false);
   m.def("skinny_bf16", &skinny_bf16, "x @ W^T for 1..skinny_rows rows: AMX tiles, else the dot-product loop");
   m.def("skinny_fp8", &skinny_fp8, "x @ (W * scales)^T, W float8_e4m3fn [N, K] widened in registers");
   m.def("fp8_linear", &fp8_linear, "x @ (W * scales)^T: skinny_fp8 up to FP8_SKINNY_ROWS rows, else dequantized");
@@ -2671,6 +2721,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear_codes", &panel_linear_codes, "float32 x @ W^T with W as 4- / 8-bit block codes in panels");
   m.def("pack_dot_codes", &pack_dot_codes, "block codes' panels into dot_linear_codes' layout");
   m.def("dot_linear_codes", &dot_linear_codes, "x @ W^T: block codes times int8 activations (opt-in, approximate)");
-  m.attr("GEMV_MAX_ROWS") = GEMV_MAX_ROWS;
   m.attr("FP8_SKINNY_ROWS") = FP8_SKINNY_ROWS;
 }
