@@ -217,7 +217,7 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             buckets=self.buckets.as_dict() if self.buckets else None,
             native_kernels=self.native is not None,
-            amx_prefill_attention=self.native_chunks,
+            chunk_attention=self.native_chunks,
         )
 
     def image_info(self) -> dict[str, int]:

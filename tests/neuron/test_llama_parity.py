@@ -105,13 +105,17 @@ def test_bfloat16_close_to_transformers_bfloat16(tiny_llama_dir, kernels_path):
     )  # a few bf16 ulps: fused matmuls round differently
 
 
-def test_bfloat16_prefill_on_amx_tiles_close_to_transformers(tmp_path):
-    """head_dim 64: a bf16 model's prefill chunks (first and after a context) run on AMX tiles
-    (runner.native_chunks), as close to transformers' bf16 as the SDPA path gets."""
+@pytest.mark.parametrize("tiles", ["1", "0"])
+def test_bfloat16_prefill_chunks_close_to_transformers(tmp_path, tiles, monkeypatch):
+    """head_dim 64: a bf16 model's prefill chunks (first and after a context) run on the native
+    kernel's flash attention (runner.native_chunks), on AMX tiles or ("0") AVX512-BF16's dot product,
+    as close to transformers' bf16 as the SDPA path gets."""
     from transformers import AutoModelForCausalLM
 
-    if native.kernels() is None or not native.kernels().amx_attention(64):
-        pytest.skip("no AMX tiles on this CPU")
+    k = native.kernels()
+    if k is None or not k.chunk_attention(64) or (tiles == "1" and not k.amx_attention(64)):
+        pytest.skip("no AMX tiles (or AVX512-BF16) on this CPU")
+    monkeypatch.setenv("AXONSERVE_AMX_ATTENTION", tiles)
     d = make_tiny_llama(str(tmp_path), hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=64)
     ids = torch.randint(0, 1024, (300,), generator=torch.Generator().manual_seed(5)).tolist()
     with torch.no_grad():

@@ -218,19 +218,24 @@ def test_paged_attention_mixed_batch(dtype, head_dim, long, far, group, monkeypa
         torch.testing.assert_close(got, paged_attention(q, k, v, k_cache, v_cache, all_native, scale), **tol)
 
 
-@pytest.mark.skipif(not (K is not None and K.amx_attention(64)), reason="no AMX tiles on this CPU")
+@pytest.mark.skipif(not (K is not None and K.chunk_attention(64)), reason="no AVX512-BF16 on this CPU")
 @pytest.mark.parametrize("head_dim", [64, 32])
 @pytest.mark.parametrize("bs", [16, 4])
 @pytest.mark.parametrize("peaky", [False, True])
 @pytest.mark.parametrize("tree", [False, True])
-def test_amx_prefill_chunks_against_float32(head_dim, bs, peaky, tree):
-    """bf16 prefill chunks on AMX tiles (csrc/amx_attention.h): chunks of 16+ rows, first or after a
-    context, with lengths off the 16-row tile and past the 256-key softmax chunk, amid decodes and a
-    short chunk (per-row kernel), all in one call; against float32 attention over the same bf16
-    inputs, as close as torch's bf16 SDPA gets. peaky: large scores, so rows' maxima grow from one
-    key chunk to the next (the running rescale). tree: a draft tree's verification rides along (its
-    rows have extra keys and stay on the per-row kernel; the chunks still take the tiles)."""
-    assert K.amx_attention(head_dim) and not K.amx_attention(128)
+@pytest.mark.parametrize("tiles", [True, False])
+def test_prefill_chunks_against_float32(head_dim, bs, peaky, tree, tiles, monkeypatch):
+    """bf16 prefill chunks' flash attention (csrc/amx_attention.h), on AMX tiles or (tiles=False, on
+    AMX machines too) on AVX512-BF16's dot product: chunks of 16+ rows, first or after a context,
+    with lengths off the 16-row tile and past the 256-key softmax chunk, amid decodes and a short
+    chunk (per-row kernel), all in one call; against float32 attention over the same bf16 inputs,
+    as close as torch's bf16 SDPA gets. peaky: large scores, so rows' maxima grow from one key
+    chunk to the next (the running rescale). tree: a draft tree's verification rides along (its
+    rows have extra keys and stay on the per-row kernel; the chunks still take the flash path)."""
+    if tiles and not K.amx_attention(head_dim):
+        pytest.skip("no AMX tiles on this CPU")
+    monkeypatch.setenv("AXONSERVE_AMX_ATTENTION", "1" if tiles else "0")
+    assert K.chunk_attention(head_dim) and not K.chunk_attention(128)
     g = _gen(7)
     blocks, hkv, hq = 1024, 2, 6
     k_cache = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(torch.bfloat16)

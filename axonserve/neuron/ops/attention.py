@@ -317,15 +317,16 @@ def takes_chunks(
     native: ModuleType | None, dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, windowed: bool
 ) -> bool:
     """Whether the native kernel runs prefill chunks of any length (AttentionMetadata.build's
-    native_chunks): on AMX tiles (csrc/amx_attention.h), for bf16 models with a bf16 cache, head_dim
-    32 or 64 and no sliding-window layer (the tile path has no window; those keep SDPA)."""
+    native_chunks): flash attention on AMX tiles, or on AVX512-BF16's dot product without AMX
+    (csrc/amx_attention.h), for bf16 models with a bf16 cache, head_dim 32 or 64 and no
+    sliding-window layer (the chunk path has no window; those keep SDPA)."""
     return (
         native is not None
         and dtype == torch.bfloat16
         and cache_dtype == torch.bfloat16
         and not windowed
-        and hasattr(native, "amx_attention")
-        and bool(native.amx_attention(head_dim))
+        and hasattr(native, "chunk_attention")
+        and bool(native.chunk_attention(head_dim))
     )
 
 

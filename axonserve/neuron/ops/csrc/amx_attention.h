@@ -1,4 +1,5 @@
-// AMX attention for prefill chunks (included by cpu_kernels.cpp after its AMX section).
+// Flash attention for prefill chunks on AMX tiles, or on AVX512-BF16's dot product where the CPU
+// has no AMX (the `TILES` template flag; included by cpu_kernels.cpp after its AMX section).
 //
 // The per-row kernel (attend_item_vec) reads every key once per query row: right for decodes,
 // but a chunk of n prompt tokens reads its keys n times over, at float32 FMA speed. Here a chunk
@@ -16,6 +17,10 @@
 // exponentials; two S buffers); then O += P V with O (16 rows x 16 dims per tile) in tiles
 // 0..D/16-1, kept in a float32 buffer between chunks (where a row's rescale happens). P V uses all
 // eight tiles, so Q is reloaded after it when another chunk follows.
+//
+// Without AMX the same products run as vdpbf16ps loops on the same packed layouts (dot_s_blocks,
+// dot_pv_blocks: a vector of 16 keys or 16 dims, a query or probability pair broadcast), and a
+// chunk's S is made whole after its P V; the softmax, P's rounding and the buffers are the same.
 
 constexpr int64_t KV_CHUNK = 256;  // keys per softmax chunk (multiple of 32)
 
@@ -105,6 +110,7 @@ void pack_kv(const bf16* kc, const bf16* vc, const int64_t* off, int64_t L, uint
     }
 }
 
+#ifdef AXON_AMX
 // S for up to 4 blocks of 16 keys: one accumulator each (tiles 0..3: independent chains; a single
 // accumulator would wait out each multiply's latency), B operands alternating in tiles 4 and 5.
 template <int ND32>
@@ -194,6 +200,82 @@ inline void pv_blocks(const bf16* P, const uint16_t* vb, int64_t np, float* obuf
     _tile_stored(3, obuf + 48, OS);
   }
 }
+#endif
+
+// S = Q K^T for nb blocks of 16 keys (rows of S KV_CHUNK apart) on the dot product: 8 query rows x
+// up to 3 key blocks a pass (24 accumulators), a K vector (16 keys x one dim pair) per load
+template <int ND32, int NB>
+inline void dot_s_tile(const bf16* q, const uint16_t* kb, float* S) {
+  constexpr int D = 32 * ND32;
+  const int32_t* qr = reinterpret_cast<const int32_t*>(q);  // row m's dim pair p: qr[m * D / 2 + p]
+  __m512 acc[8][NB];
+  for (int m = 0; m < 8; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int p = 0; p < D / 2; ++p) {
+    __m512bh w[NB];
+    for (int j = 0; j < NB; ++j)
+      w[j] = (__m512bh)_mm512_loadu_si512(kb + j * ND32 * 512 + (p / 16) * 512 + (p % 16) * 32);
+    for (int m = 0; m < 8; ++m) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(qr[m * D / 2 + p]);
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], b, w[j]);
+    }
+  }
+  for (int m = 0; m < 8; ++m)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(S + m * KV_CHUNK + j * 16, acc[m][j]);
+}
+
+template <int ND32>
+inline void dot_s_blocks(const bf16* qbuf, const uint16_t* kb, int64_t nb, float* S) {
+  constexpr int D = 32 * ND32;
+  for (int r0 = 0; r0 < 16; r0 += 8)
+    for (int64_t b0 = 0; b0 < nb; b0 += 3) {
+      const bf16* q = qbuf + r0 * D;
+      const uint16_t* k = kb + b0 * ND32 * 512;
+      float* s = S + r0 * KV_CHUNK + b0 * 16;
+      if (nb - b0 >= 3) dot_s_tile<ND32, 3>(q, k, s);
+      else if (nb - b0 == 2) dot_s_tile<ND32, 2>(q, k, s);
+      else dot_s_tile<ND32, 1>(q, k, s);
+    }
+}
+
+// O (obuf rows, float32 [MR x D]) += P V over np blocks of 32 keys on the dot product: MR rows x
+// the D / 16 dim blocks (MR x NDB accumulators), a V vector (16 dims x one key pair) per load and
+// each row's probability pair broadcast. SPLIT: P's second bf16 part (P2) too, as pv_blocks.
+template <int MR, int NDB, bool SPLIT>
+inline void dot_pv_tile(const bf16* P, const bf16* P2, const uint16_t* vb, int64_t np, float* obuf) {
+  constexpr int D = NDB * 16;
+  __m512 acc[MR][NDB];
+  for (int m = 0; m < MR; ++m)
+    for (int d = 0; d < NDB; ++d) acc[m][d] = _mm512_loadu_ps(obuf + m * D + d * 16);
+  const int32_t* pr = reinterpret_cast<const int32_t*>(P);  // row m's key pair kp: pr[m * KV_CHUNK / 2 + kp]
+  const int32_t* pr2 = reinterpret_cast<const int32_t*>(P2);
+  for (int64_t kp = 0; kp < np * 16; ++kp) {
+    const uint16_t* v = vb + ((kp / 16) * NDB * 16 + kp % 16) * 32;
+    __m512bh w[NDB];
+    for (int d = 0; d < NDB; ++d) w[d] = (__m512bh)_mm512_loadu_si512(v + d * 512);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(pr[m * KV_CHUNK / 2 + kp]);
+      for (int d = 0; d < NDB; ++d) acc[m][d] = _mm512_dpbf16_ps(acc[m][d], b, w[d]);
+      if constexpr (SPLIT) {
+        const __m512bh b2 = (__m512bh)_mm512_set1_epi32(pr2[m * KV_CHUNK / 2 + kp]);
+        for (int d = 0; d < NDB; ++d) acc[m][d] = _mm512_dpbf16_ps(acc[m][d], b2, w[d]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int d = 0; d < NDB; ++d) _mm512_storeu_ps(obuf + m * D + d * 16, acc[m][d]);
+}
+
+template <int NDB, bool SPLIT = false>
+inline void dot_pv_blocks(const bf16* P, const uint16_t* vb, int64_t np, float* obuf, const bf16* P2 = nullptr) {
+  constexpr int MR = NDB > 2 ? 6 : 8, D = NDB * 16;
+  for (int r0 = 0; r0 < 16; r0 += MR) {
+    const bf16* p = P + r0 * KV_CHUNK;
+    const bf16* p2 = SPLIT ? P2 + r0 * KV_CHUNK : nullptr;
+    if (16 - r0 >= MR) dot_pv_tile<MR, NDB, SPLIT>(p, p2, vb, np, obuf + r0 * D);
+    else dot_pv_tile<(16 % MR ? 16 % MR : 1), NDB, SPLIT>(p, p2, vb, np, obuf + r0 * D);
+  }
+}
 
 // the bf16 values of x's low / high 256 bits as float32
 inline __m512 bf16_lo_ps(__m512i x) {
@@ -207,8 +289,9 @@ inline __m512 bf16_hi_ps(__m512i x) {
 // kvl[j] keys, Lt the most of them) against packed K / V: leaves the unnormalized output in obuf
 // (float32 [16 x D]), each row's running max in base-2 units (score x scale x log2 e) in m and its
 // sum of exponentials in l. SPLIT: P V with P in two bf16 parts (pv_blocks), for the shared
-// prefixes of decode rows, whose outputs the per-row kernel finishes in float32.
-template <int ND32, bool SPLIT = false>
+// prefixes of decode rows, whose outputs the per-row kernel finishes in float32. TILES: on AMX
+// (the caller has loaded the tile configuration), else on the dot product.
+template <int ND32, bool TILES, bool SPLIT = false>
 void amx_flash(const AttnArgs& a, const uint16_t* kt, const uint16_t* vp, const int64_t* kvl, int64_t Lt,
                const bf16* qbuf, float* S, bf16* P, bf16* P2, float* obuf, float* m, float* l) {
   constexpr int D = 32 * ND32, NDB = D / 16;
@@ -216,17 +299,20 @@ void amx_flash(const AttnArgs& a, const uint16_t* kt, const uint16_t* vp, const 
   std::memset(obuf, 0, 16 * D * sizeof(float));
   for (int j = 0; j < 16; ++j) { m[j] = -INFINITY; l[j] = 0.f; }
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
-  _tile_loadd(6, qbuf, D * 2);
-  if (ND32 == 2) _tile_loadd(7, qbuf + 32, D * 2);
-  {
-    const int64_t nb = (std::min(KV_CHUNK, Lt) + 15) / 16;
-    for (int64_t b = 0; b < nb; b += 4)  // the first chunk's S = Q K^T
-      s_blocks<ND32>(kt + b * ND32 * 512, std::min<int64_t>(4, nb - b), S + b * 16);
+  const int64_t nb0 = (std::min(KV_CHUNK, Lt) + 15) / 16;  // the first chunk's S = Q K^T
+  if constexpr (TILES) {
+#ifdef AXON_AMX
+    _tile_loadd(6, qbuf, D * 2);
+    if (ND32 == 2) _tile_loadd(7, qbuf + 32, D * 2);
+    for (int64_t b = 0; b < nb0; b += 4) s_blocks<ND32>(kt + b * ND32 * 512, std::min<int64_t>(4, nb0 - b), S + b * 16);
+#endif
+  } else {
+    dot_s_blocks<ND32>(qbuf, kt, nb0, S);
   }
   for (int64_t k0 = 0, ci = 0; k0 < Lt; k0 += KV_CHUNK, ++ci) {
     const int64_t nk = std::min(KV_CHUNK, Lt - k0), np = (nk + 31) / 32;
-    // the next chunk's S blocks, one after each row's softmax: the tile unit works while the vector
-    // units do the exponentials (a chunk has at most 16 blocks of 16 keys)
+    // the next chunk's S blocks, on AMX one after each row's softmax: the tile unit works while the
+    // vector units do the exponentials (a chunk has at most 16 blocks of 16 keys)
     const int64_t nb_next = (std::max<int64_t>(0, std::min(KV_CHUNK, Lt - k0 - KV_CHUNK)) + 15) / 16;
     const float* Sc = S + (ci & 1) * 16 * KV_CHUNK;
     float* Sn = S + ((ci + 1) & 1) * 16 * KV_CHUNK;
@@ -279,18 +365,29 @@ void amx_flash(const AttnArgs& a, const uint16_t* kt, const uint16_t* vp, const 
       }
       l[j] = l[j] * alpha + _mm512_reduce_add_ps(sum);
       m[j] = mnew;
-      if (j < nb_next) s_block<ND32>(kn + j * ND32 * 512, Sn + j * 16);
+#ifdef AXON_AMX
+      if constexpr (TILES)
+        if (j < nb_next) s_block<ND32>(kn + j * ND32 * 512, Sn + j * 16);
+#endif
     }
-    pv_blocks<NDB, SPLIT>(P, vp + (k0 / 32) * NDB * 512, np, obuf, P2);  // O += P V (tiles 0..7)
-    if (nb_next) {
-      _tile_loadd(6, qbuf, D * 2);
-      if (ND32 == 2) _tile_loadd(7, qbuf + 32, D * 2);
+    const uint16_t* vb = vp + (k0 / 32) * NDB * 512;
+    if constexpr (TILES) {
+#ifdef AXON_AMX
+      pv_blocks<NDB, SPLIT>(P, vb, np, obuf, P2);  // O += P V (tiles 0..7)
+      if (nb_next) {
+        _tile_loadd(6, qbuf, D * 2);
+        if (ND32 == 2) _tile_loadd(7, qbuf + 32, D * 2);
+      }
+#endif
+    } else {
+      dot_pv_blocks<NDB, SPLIT>(P, vb, np, obuf, P2);
+      if (nb_next) dot_s_blocks<ND32>(qbuf, kn, nb_next, Sn);
     }
   }
 }
 
 // One tile: query rows row0 .. row0 + nq - 1 (nq <= 16) of query head h, whose last attends to Lt keys.
-template <int ND32>
+template <int ND32, bool TILES>
 void amx_attend_tile(const AttnArgs& a, const bf16* qp, bf16* op, const uint16_t* kt, const uint16_t* vp,
                      int64_t row0, int64_t nq, int64_t h, float* S, bf16* P, float* obuf, bf16* qbuf) {
   constexpr int D = 32 * ND32;
@@ -302,7 +399,7 @@ void amx_attend_tile(const AttnArgs& a, const bf16* qp, bf16* op, const uint16_t
       _mm512_storeu_si512(qbuf + j * D + d, j < nq ? _mm512_loadu_si512(src + d) : _mm512_setzero_si512());
   }
   float m[16], l[16];
-  amx_flash<ND32>(a, kt, vp, kvl, kvl[15], qbuf, S, P, nullptr, obuf, m, l);
+  amx_flash<ND32, TILES>(a, kt, vp, kvl, kvl[15], qbuf, S, P, nullptr, obuf, m, l);
   for (int64_t j = 0; j < nq; ++j) {
     const __m512 inv = _mm512_set1_ps(1.f / l[j]);
     bf16* o = op + (row0 + j) * a.o_rs + h * a.o_hs;
@@ -311,10 +408,11 @@ void amx_attend_tile(const AttnArgs& a, const bf16* qp, bf16* op, const uint16_t
 }
 
 // Takes the runs of AMX_ATTN_MIN_RUN+ rows without extra keys (bf16 q and cache, head_dim 32 or 64,
-// no window: the caller checks) and returns the rows left for the per-row kernel, in order. (A value
+// no window: the caller checks) and returns the rows left for the per-row kernel, in order; on AMX
+// tiles (TILES) or the dot product. (A value
 // row past a row's keys is multiplied by its zero probability: an inf there would make it NaN, where
 // the per-row kernel never reads it; K/V rows of a sequence are finite unless its model overflowed.)
-template <int ND32>
+template <int ND32, bool TILES>
 std::vector<int64_t> amx_attend_runs(const AttnArgs& a, const bf16* qp, bf16* op, const bf16* kc, const bf16* vc) {
   constexpr int D = 32 * ND32;
   std::vector<AttnRun> runs;
@@ -370,9 +468,9 @@ std::vector<int64_t> amx_attend_runs(const AttnArgs& a, const bf16* qp, bf16* op
   const int64_t n = items.size(), threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
   const int64_t parts = std::min<int64_t>(4 * threads, n);  // claimed as threads come free (thread_pool.h)
   pool_for(0, parts, 1, [&](int64_t t0, int64_t t1) {
-    TileConfig cfg;
-    for (int i = 0; i < 8; ++i) { cfg.rows[i] = 16; cfg.colsb[i] = 64; }
-    _tile_loadconfig(&cfg);
+#ifdef AXON_AMX
+    if constexpr (TILES) load_attention_tiles();
+#endif
     std::vector<float> S(2 * 16 * KV_CHUNK), obuf(16 * D);  // S: this chunk's and the next's
     std::vector<bf16> P(16 * KV_CHUNK), qbuf(16 * D);
     auto first_at = [&](int64_t share) {
@@ -382,14 +480,17 @@ std::vector<int64_t> amx_attend_runs(const AttnArgs& a, const bf16* qp, bf16* op
       for (int64_t i = first_at(t), end = t + 1 == parts ? n : first_at(t + 1); i < end; ++i) {
         const Item& it = items[i];
         const int64_t g = it.h / a.G;
-        amx_attend_tile<ND32>(a, qp, op, kt_of(it.run, g), vp_of(it.run, g), it.row0, it.nq, it.h, S.data(),
-                              P.data(), obuf.data(), qbuf.data());
+        amx_attend_tile<ND32, TILES>(a, qp, op, kt_of(it.run, g), vp_of(it.run, g), it.row0, it.nq, it.h, S.data(),
+                                     P.data(), obuf.data(), qbuf.data());
       }
-    _tile_release();
+#ifdef AXON_AMX
+    if constexpr (TILES) _tile_release();
+#endif
   });
   return rest;
 }
 
+#ifdef AXON_AMX
 // ------------------------------------------------------------------ shared prefixes of decode rows
 // Rows whose sequences share their first KV blocks (prefix caching: requests with one system
 // prompt; the n samples of one prompt) read those keys once for all of them instead of once a
@@ -464,8 +565,8 @@ void amx_prefix_head(const AttnArgs& a, const bf16* qp, const bf16* kc, const bf
         _mm512_storeu_si512(qbuf.data() + j * D + d, j < n ? _mm512_loadu_si512(src + d) : _mm512_setzero_si512());
     }
     float m[16], l[16];
-    amx_flash<ND32, true>(a, packed.data(), packed.data() + nkt, kvl, L, qbuf.data(), S.data(), P.data(), P2.data(),
-                          obuf.data(), m, l);
+    amx_flash<ND32, true, true>(a, packed.data(), packed.data() + nkt, kvl, L, qbuf.data(), S.data(), P.data(),
+                                P2.data(), obuf.data(), m, l);
     for (int64_t j = 0; j < n; ++j) {
       float* st = state + at[j] * (D + 2);
       std::memcpy(st, obuf.data() + j * D, D * sizeof(float));
@@ -486,3 +587,4 @@ void load_attention_tiles() {
   for (int i = 0; i < 8; ++i) { cfg.rows[i] = 16; cfg.colsb[i] = 64; }
   _tile_loadconfig(&cfg);
 }
+#endif

@@ -546,11 +546,14 @@ void attend_item_scalar(const AttnArgs& a, const T* qp, T* op, const C* kc, cons
   }
 }
 
-#ifdef AXON_AMX
+#if defined(AXON_AVX512) && defined(__AVX512BF16__)
 constexpr int64_t AMX_ATTN_MIN_RUN = 16;  // chunks shorter than this stay on the per-row kernel
-bool amx_permitted();
-template <int ND32>
+template <int ND32, bool TILES>
 std::vector<int64_t> amx_attend_runs(const AttnArgs& a, const bf16* qp, bf16* op, const bf16* kc, const bf16* vc);
+bool chunk_tiles();
+#endif
+#ifdef AXON_AMX
+bool amx_permitted();
 struct PrefixGroup {
   std::vector<int64_t> rows;  // rows whose sequences' tables agree on the first P keys' blocks
   int64_t P;
@@ -680,12 +683,15 @@ void paged_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor
   else if (a.D == 32) item_fn = &attend_item_avx2<T, C, 4>;
   else if (a.D == 256) item_fn = &attend_item_avx2<T, C, 32>;
 #endif
-  // prefill chunks of bf16 models: AMX tiles (amx_attention.h); the rows left come here
+  // prefill chunks of bf16 models: flash attention on AMX tiles or the dot product (amx_attention.h);
+  // the rows left come here
   std::optional<std::vector<int64_t>> rest;  // (unset: every row)
-#ifdef AXON_AMX
+#if defined(AXON_AVX512) && defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16>)
-    if (!win && (a.D == 64 || a.D == 32) && a.R >= AMX_ATTN_MIN_RUN && amx_permitted())
-      rest = a.D == 64 ? amx_attend_runs<2>(a, qp, op, kc, vc) : amx_attend_runs<1>(a, qp, op, kc, vc);
+    if (!win && (a.D == 64 || a.D == 32) && a.R >= AMX_ATTN_MIN_RUN) {
+      if (chunk_tiles()) rest = a.D == 64 ? amx_attend_runs<2, true>(a, qp, op, kc, vc) : amx_attend_runs<1, true>(a, qp, op, kc, vc);
+      else rest = a.D == 64 ? amx_attend_runs<2, false>(a, qp, op, kc, vc) : amx_attend_runs<1, false>(a, qp, op, kc, vc);
+    }
 #endif
   const int64_t nrows = rest ? int64_t(rest->size()) : a.R;
   auto row_of = [&](int64_t i) { return rest ? (*rest)[i] : i; };
@@ -1574,8 +1580,21 @@ void amx_matmul(const at::Tensor& x, const W* w, const float* scales, int64_t NB
 
 #endif
 
-#ifdef AXON_AMX
+#if defined(AXON_AVX512) && defined(__AVX512BF16__)
 #include "amx_attention.h"
+
+// Whether prefill chunks' flash attention runs on AMX tiles (else on the dot product): where the CPU
+// has them, unless AXONSERVE_AMX_ATTENTION=0 (A/B runs, and tests of the dot path on AMX machines;
+// read per call: a chunk's attention takes ms).
+bool chunk_tiles() {
+#ifdef AXON_AMX
+  const char* e = std::getenv("AXONSERVE_AMX_ATTENTION");
+  const std::string v = e ? e : "";
+  return amx_permitted() && !(v == "0" || v == "false" || v == "no");
+#else
+  return false;
+#endif
+}
 #endif
 
 // Whether paged_attention runs prefill chunks on AMX tiles (bf16, head_dim 32 or 64: amx_attention.h).
@@ -1587,6 +1606,10 @@ bool amx_attention(int64_t head_dim) {
   return false;
 #endif
 }
+
+// Whether paged_attention runs bf16 prefill chunks of any length itself (flash attention on AMX
+// tiles or AVX512-BF16's dot product, head_dim 32 or 64: amx_attention.h).
+bool chunk_attention(int64_t head_dim) { return (head_dim == 32 || head_dim == 64) && has_bf16_gemv(); }
 
 bool amx_fits(const at::Tensor& wp) {
 #ifdef AXON_AMX
@@ -2684,6 +2707,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none(),
         pybind11::arg("row_extra") = pybind11::none(), pybind11::arg("window") = 0);
   m.def("amx_attention", &amx_attention, "paged_attention takes bf16 prefill chunks on AMX tiles at this head_dim");
+  m.def("chunk_attention", &chunk_attention,
+        "paged_attention takes bf16 prefill chunks itself at this head_dim (AMX tiles or AVX512-BF16)");
   m.def("rotary_kv_write", &rotary_kv_write, "rotary on Q/K heads in place + K/V cache write (int8: quantized)",
         pybind11::arg("qkv"), pybind11::arg("hq"), pybind11::arg("hkv"), pybind11::arg("cos"), pybind11::arg("sin"),
         pybind11::arg("positions"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slots"),
