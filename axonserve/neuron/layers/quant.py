@@ -103,9 +103,10 @@ class PackedWeight:
     threads the shape poorly (`onednn_matmul`): within one bf16 rounding of oneDNN's own.
 
     With AVX512-BF16 a second copy in the native skinny layout serves calls of up to
-    `skinny_rows` rows (128 with AMX: a decode batch, a verification; 3 with AVX512-BF16 only):
-    oneDNN's brgemm streams the weight at about half the memory bandwidth at those sizes, the
-    native kernels near it; above that (prefill) oneDNN's blocking wins. Those products
+    `skinny_rows` rows (128: a decode batch, a verification; on AMX tiles, else on the
+    dot-product loop): oneDNN's brgemm streams the weight at about half the memory bandwidth at
+    the small sizes, and without AMX runs further from the dot product's peak up to ~64 rows;
+    above that (prefill) oneDNN's blocking wins. Those products
     accumulate in float32 in another order (bf16 results within one rounding of oneDNN's).
     The copy doubles the weights' memory; AXONSERVE_GEMV=0 leaves it out."""
 
