@@ -205,7 +205,7 @@ inline void pv_blocks(const bf16* P, const uint16_t* vb, int64_t np, float* obuf
 // S = Q K^T for nb blocks of 16 keys (rows of S KV_CHUNK apart) on the dot product: 8 query rows x
 // up to 3 key blocks a pass (24 accumulators), a K vector (16 keys x one dim pair) per load
 template <int ND32, int NB>
-inline void dot_s_tile(const bf16* q, const uint16_t* kb, float* S) {
+[[gnu::noinline]] void dot_s_tile(const bf16* q, const uint16_t* kb, float* S) {
   constexpr int D = 32 * ND32;
   const int32_t* qr = reinterpret_cast<const int32_t*>(q);  // row m's dim pair p: qr[m * D / 2 + p]
   __m512 acc[8][NB];
@@ -213,10 +213,13 @@ inline void dot_s_tile(const bf16* q, const uint16_t* kb, float* S) {
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int p = 0; p < D / 2; ++p) {
     __m512bh w[NB];
+#pragma GCC unroll 3
     for (int j = 0; j < NB; ++j)
       w[j] = (__m512bh)_mm512_loadu_si512(kb + j * ND32 * 512 + (p / 16) * 512 + (p % 16) * 32);
+#pragma GCC unroll 8
     for (int m = 0; m < 8; ++m) {
       const __m512bh b = (__m512bh)_mm512_set1_epi32(qr[m * D / 2 + p]);
+#pragma GCC unroll 3
       for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], b, w[j]);
     }
   }
@@ -241,8 +244,9 @@ inline void dot_s_blocks(const bf16* qbuf, const uint16_t* kb, int64_t nb, float
 // O (obuf rows, float32 [MR x D]) += P V over np blocks of 32 keys on the dot product: MR rows x
 // the D / 16 dim blocks (MR x NDB accumulators), a V vector (16 dims x one key pair) per load and
 // each row's probability pair broadcast. SPLIT: P's second bf16 part (P2) too, as pv_blocks.
+// (not inlined: inside the item loop GCC kept the accumulators in memory, ~4x slower)
 template <int MR, int NDB, bool SPLIT>
-inline void dot_pv_tile(const bf16* P, const bf16* P2, const uint16_t* vb, int64_t np, float* obuf) {
+[[gnu::noinline]] void dot_pv_tile(const bf16* P, const bf16* P2, const uint16_t* vb, int64_t np, float* obuf) {
   constexpr int D = NDB * 16;
   __m512 acc[MR][NDB];
   for (int m = 0; m < MR; ++m)
@@ -252,12 +256,16 @@ inline void dot_pv_tile(const bf16* P, const bf16* P2, const uint16_t* vb, int64
   for (int64_t kp = 0; kp < np * 16; ++kp) {
     const uint16_t* v = vb + ((kp / 16) * NDB * 16 + kp % 16) * 32;
     __m512bh w[NDB];
+#pragma GCC unroll 4
     for (int d = 0; d < NDB; ++d) w[d] = (__m512bh)_mm512_loadu_si512(v + d * 512);
+#pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       const __m512bh b = (__m512bh)_mm512_set1_epi32(pr[m * KV_CHUNK / 2 + kp]);
+#pragma GCC unroll 4
       for (int d = 0; d < NDB; ++d) acc[m][d] = _mm512_dpbf16_ps(acc[m][d], b, w[d]);
       if constexpr (SPLIT) {
         const __m512bh b2 = (__m512bh)_mm512_set1_epi32(pr2[m * KV_CHUNK / 2 + kp]);
+#pragma GCC unroll 4
         for (int d = 0; d < NDB; ++d) acc[m][d] = _mm512_dpbf16_ps(acc[m][d], b2, w[d]);
       }
     }

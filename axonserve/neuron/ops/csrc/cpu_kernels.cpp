@@ -1219,18 +1219,22 @@ template <bool SILU> constexpr int bdot_nr() { return SILU ? 4 : 3; }  // blocks
 template <bool SILU> constexpr int bdot_mr() { return SILU ? 6 : 8; }  // rows a group (24 accumulators)
 
 template <int MR, int NR, bool SILU>
-void bdot_tile(const int32_t* const* xr, const bf16* const* wj, bf16* op, int64_t os, int64_t K2,
+[[gnu::noinline]] void bdot_tile(const int32_t* const* xr, const bf16* const* wj, bf16* op, int64_t os, int64_t K2,
               const bf16* const* pf) {
   __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t p = 0; p < K2; ++p) {
     __m512bh w[NR];
+#pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) w[j] = (__m512bh)_mm512_loadu_si512(wj[j] + p * 32);
     if (pf)
+#pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf[j] + p * 32), _MM_HINT_T1);
+#pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       const __m512bh b = (__m512bh)_mm512_set1_epi32(xr[m][p]);
+#pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], b, w[j]);
     }
   }
