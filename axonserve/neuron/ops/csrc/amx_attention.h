@@ -202,43 +202,25 @@ inline void pv_blocks(const bf16* P, const uint16_t* vb, int64_t np, float* obuf
 }
 #endif
 
-// S = Q K^T for nb blocks of 16 keys (rows of S KV_CHUNK apart) on the dot product: 8 query rows x
-// up to 3 key blocks a pass (24 accumulators), a K vector (16 keys x one dim pair) per load
-template <int ND32, int NB>
-[[gnu::noinline]] void dot_s_tile(const bf16* q, const uint16_t* kb, float* S) {
-  constexpr int D = 32 * ND32;
-  const int32_t* qr = reinterpret_cast<const int32_t*>(q);  // row m's dim pair p: qr[m * D / 2 + p]
-  __m512 acc[8][NB];
-  for (int m = 0; m < 8; ++m)
-    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
-  for (int p = 0; p < D / 2; ++p) {
-    __m512bh w[NB];
-#pragma GCC unroll 3
-    for (int j = 0; j < NB; ++j)
-      w[j] = (__m512bh)_mm512_loadu_si512(kb + j * ND32 * 512 + (p / 16) * 512 + (p % 16) * 32);
-#pragma GCC unroll 8
-    for (int m = 0; m < 8; ++m) {
-      const __m512bh b = (__m512bh)_mm512_set1_epi32(qr[m * D / 2 + p]);
-#pragma GCC unroll 3
-      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], b, w[j]);
-    }
-  }
-  for (int m = 0; m < 8; ++m)
-    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(S + m * KV_CHUNK + j * 16, acc[m][j]);
-}
-
+// S = Q K^T for nb blocks of 16 keys (rows of S KV_CHUNK apart) on the dot product: the skinny
+// matmul's tile (bdot_tile), 8 query rows x up to 3 key blocks a pass. A packed K block is one
+// stream of its dim pairs (pair p's 16 keys at p * 32), as a packed weight's column block is.
 template <int ND32>
 inline void dot_s_blocks(const bf16* qbuf, const uint16_t* kb, int64_t nb, float* S) {
   constexpr int D = 32 * ND32;
-  for (int r0 = 0; r0 < 16; r0 += 8)
+  for (int r0 = 0; r0 < 16; r0 += 8) {
+    const int32_t* xr[8];
+    for (int m = 0; m < 8; ++m) xr[m] = reinterpret_cast<const int32_t*>(qbuf + (r0 + m) * D);
     for (int64_t b0 = 0; b0 < nb; b0 += 3) {
-      const bf16* q = qbuf + r0 * D;
-      const uint16_t* k = kb + b0 * ND32 * 512;
+      const bf16* wj[3];
+      for (int64_t j = 0; j < 3; ++j)
+        wj[j] = reinterpret_cast<const bf16*>(kb + std::min(b0 + j, nb - 1) * ND32 * 512);
       float* s = S + r0 * KV_CHUNK + b0 * 16;
-      if (nb - b0 >= 3) dot_s_tile<ND32, 3>(q, k, s);
-      else if (nb - b0 == 2) dot_s_tile<ND32, 2>(q, k, s);
-      else dot_s_tile<ND32, 1>(q, k, s);
+      if (nb - b0 >= 3) bdot_tile<8, 3, false>(xr, wj, s, KV_CHUNK, D / 2, nullptr);
+      else if (nb - b0 == 2) bdot_tile<8, 2, false>(xr, wj, s, KV_CHUNK, D / 2, nullptr);
+      else bdot_tile<8, 1, false>(xr, wj, s, KV_CHUNK, D / 2, nullptr);
     }
+  }
 }
 
 // O (obuf rows, float32 [MR x D]) += P V over np blocks of 32 keys on the dot product: MR rows x

@@ -1218,9 +1218,10 @@ struct BlockMap {
 template <bool SILU> constexpr int bdot_nr() { return SILU ? 4 : 3; }  // blocks a group
 template <bool SILU> constexpr int bdot_mr() { return SILU ? 6 : 8; }  // rows a group (24 accumulators)
 
-template <int MR, int NR, bool SILU>
-[[gnu::noinline]] void bdot_tile(const int32_t* const* xr, const bf16* const* wj, bf16* op, int64_t os, int64_t K2,
-              const bf16* const* pf) {
+// O: the output's type (bf16, rounded once; float, as summed: the prompt attention's scores)
+template <int MR, int NR, bool SILU, typename O = bf16>
+[[gnu::noinline]] void bdot_tile(const int32_t* const* xr, const bf16* const* wj, O* op, int64_t os, int64_t K2,
+                                 const bf16* const* pf) {
   __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
