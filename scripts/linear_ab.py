@@ -8,7 +8,7 @@ the L3 is written, so the weights come from DRAM, as a busy neighbour leaves the
 sweeps once with each contender: this build's skinny kernel (`this`), the base build's (`base`,
 where it takes that many rows) and oneDNN on the reordered weight (`onednn`, what rows above the
 skinny limit get), plus `dot`, the AVX512-BF16 dot-product loop (`dot_bf16`, what a CPU without
-AMX runs for 4-128 rows), with `--dot`. Per-round ratios to `base` (else `onednn`) are reported: the machine's hourly
+AMX runs for 1-128 rows), with `--dot`. Per-round ratios to `base` (else `onednn`) are reported: the machine's hourly
 swings cancel in a ratio of neighbouring sweeps.
 
     BASE=$(cd /tmp && PYTHONPATH=/tmp/base python -c \
