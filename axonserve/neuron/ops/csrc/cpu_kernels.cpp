@@ -311,10 +311,43 @@ inline void prefetch_rows(const C* base, const int64_t* off, int64_t t0, int64_t
     }
 }
 
-// head_dim = 16 * ND with AVX-512. The G query heads of the KV head share each key/value load:
-// a block of 16 keys is widened to float32 once (in L1) and scored against every query head,
-// and each value row is widened once and accumulated into up to GC heads' outputs in registers
-// (bf16 widening otherwise costs as much as the FMAs, G times over).
+// f(std::integral_constant<int, n>{}, args...) for 1 <= n <= N: a run-time count as a constant
+template <int N, typename F, typename... A>
+inline void with_count(int64_t n, F&& f, A&&... args) {
+  if constexpr (N > 1)
+    if (n < N) return with_count<N - 1>(n, f, args...);
+  f(std::integral_constant<int, N>{}, args...);
+}
+
+#if defined(AXON_AVX512) && defined(__AVX512BF16__)
+// Scores of nk <= 16 keys (bf16 rows at kc + off[i]) against one bf16 query of 32 * NP dims on the
+// dot product: each lane adds its dim pairs' exact products in float32 (vdpbf16ps), the scale after.
+template <int NP>
+inline void dot_scores(const bf16* q, const bf16* kc, const int64_t* off, int64_t nk, float scale, float* out) {
+  __m512bh qv[NP];
+  for (int c = 0; c < NP; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  auto dot = [&](int64_t i) {
+    const bf16* k = kc + off[i];
+    __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(k));
+    for (int c = 1; c < NP; ++c) acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+    return acc;
+  };
+  if (nk == 16) {  // then one transposed reduction
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = dot(i);
+    _mm512_storeu_ps(out, _mm512_mul_ps(reduce16x16(acc), _mm512_set1_ps(scale)));
+  } else {
+    for (int64_t i = 0; i < nk; ++i) out[i] = _mm512_reduce_add_ps(dot(i)) * scale;
+  }
+}
+#endif
+
+// head_dim = 16 * ND with AVX-512. The G query heads of the KV head share each key/value load: a
+// block of 16 keys is scored against every query head, on the dot product where queries and keys
+// are bf16 (dot_scores: ~0.87x the kernel's time at 32-128 rows from DRAM on the Zen 4,
+// docs/benchmarks.md#fig-decode-attention-dot), else widened to float32 once (in L1); each value
+// row is widened once and accumulated into up to GC heads' outputs in registers (bf16 widening
+// otherwise costs as much as the FMAs, G times over).
 // `off`: the item's key offsets (key_offsets); `next`: the next item's on this thread, or null.
 template <typename T, typename C, int ND>
 void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const C* kc, const C* vc, int64_t r, int64_t h,
@@ -329,12 +362,18 @@ void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const C* kc, const C
   float* vsc = ksc + L;
   if constexpr (Q8)
     for (int64_t t = 0; t < L; ++t) { ksc[t] = a.ks[off[t] / D]; vsc[t] = a.vs[off[t] / D]; }
-  for (int64_t g = 0; g < G; ++g) {
-    const T* qg = qp + r * a.q_rs + (h * G + g) * a.q_hs;
-    for (int c = 0; c < ND; ++c)
-      _mm512_storeu_ps(qs + g * D + 16 * c, _mm512_mul_ps(load16(qg + 16 * c), _mm512_set1_ps(a.scale)));
-  }
-  alignas(64) float kb[16 * D];
+#ifdef __AVX512BF16__
+  constexpr bool DP = std::is_same_v<T, bf16> && std::is_same_v<C, bf16>;  // scores on dot_scores
+#else
+  constexpr bool DP = false;
+#endif
+  if constexpr (!DP)
+    for (int64_t g = 0; g < G; ++g) {
+      const T* qg = qp + r * a.q_rs + (h * G + g) * a.q_hs;
+      for (int c = 0; c < ND; ++c)
+        _mm512_storeu_ps(qs + g * D + 16 * c, _mm512_mul_ps(load16(qg + 16 * c), _mm512_set1_ps(a.scale)));
+    }
+  alignas(64) float kb[DP ? 16 : 16 * D];
   // the keys sit in blocks scattered over the cache, a row of one head every Hkv * D elements: too
   // short a run for the hardware prefetcher, so each block's successor keys and this block's values
   // are requested while its scores are computed (cache-cold, 32 rows x 100 keys: ~300 -> ~190 us)
@@ -344,6 +383,13 @@ void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const C* kc, const C
     const int64_t nk = std::min<int64_t>(16, L - t);
     prefetch_rows<_MM_HINT_T0>(kc, off.data(), t + 32, std::min<int64_t>(t + 48, L), ROW_LINES);
     prefetch_rows<_MM_HINT_T0>(vc, off.data(), t, t + nk, ROW_LINES);
+#ifdef __AVX512BF16__
+    if constexpr (DP) {
+      for (int64_t g = 0; g < G; ++g)
+        dot_scores<ND / 2>(qp + r * a.q_rs + (h * G + g) * a.q_hs, kc, off.data() + t, nk, a.scale, scores.data() + g * L + t);
+      continue;
+    }
+#endif
     for (int64_t i = 0; i < nk; ++i)
       for (int c = 0; c < ND; ++c) _mm512_store_ps(kb + i * D + 16 * c, load16(kc + off[t + i] + 16 * c));
     for (int64_t g = 0; g < G; ++g) {
@@ -377,15 +423,25 @@ void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const C* kc, const C
   if constexpr (Q8)  // each value's scale goes into its probability
     for (int64_t g = 0; g < G; ++g)
       for (int64_t t = 0; t < L; ++t) scores[g * L + t] *= vsc[t];
-  for (int64_t g0 = 0; g0 < G; g0 += GC) {
-    const int64_t gn = std::min<int64_t>(GC, G - g0);
-    __m512 acc[GC][ND];
-    for (int gi = 0; gi < GC; ++gi)
+  // GN (<= GC) query heads' outputs at a time, in registers (GN a constant: with a run-time count
+  // GCC kept them in memory, a store per FMA)
+  auto values = [&](auto gn, int64_t g0) {
+    constexpr int GN = decltype(gn)::value;
+    __m512 acc[GN][ND];
+    for (int gi = 0; gi < GN; ++gi)
       for (int c = 0; c < ND; ++c)
-        acc[gi][c] = pre && gi < gn ? _mm512_mul_ps(_mm512_loadu_ps(pre + (g0 + gi) * (D + 2) + 16 * c),
-                                                    _mm512_set1_ps(keep[g0 + gi]))
-                                    : _mm512_setzero_ps();
+        acc[gi][c] = pre ? _mm512_mul_ps(_mm512_loadu_ps(pre + (g0 + gi) * (D + 2) + 16 * c), _mm512_set1_ps(keep[g0 + gi]))
+                         : _mm512_setzero_ps();
     const float* s0 = scores.data() + g0 * L;
+    auto step = [&](int64_t t) {
+      __m512 v[ND];
+      const C* vp = vc + off[t];
+      for (int c = 0; c < ND; ++c) v[c] = load16(vp + 16 * c);
+      for (int gi = 0; gi < GN; ++gi) {
+        const __m512 p = _mm512_set1_ps(s0[gi * L + t]);
+        for (int c = 0; c < ND; ++c) acc[gi][c] = _mm512_fmadd_ps(p, v[c], acc[gi][c]);
+      }
+    };
     // The first values pass also requests the next item's keys and values into L2, a row a key: the
     // scores pass above keeps the memory busy with its own rows, this one otherwise leaves it idle
     // (one core's reads and this kernel's arithmetic about equal at 64-128 decode rows; 128 x 161
@@ -393,25 +449,19 @@ void attend_item_vec(const AttnArgs& a, const T* qp, T* op, const C* kc, const C
     const int64_t nn = g0 == 0 && next ? int64_t(next->size()) : 0;
     if (nn > L) prefetch_rows<_MM_HINT_T1>(kc, next->data(), L, nn, ROW_LINES);  // (its keys past ours)
     if (nn > L) prefetch_rows<_MM_HINT_T1>(vc, next->data(), L, nn, ROW_LINES);
-    for (int64_t t = 0; t < L; ++t) {
-      if (t < nn) {
-        prefetch_rows<_MM_HINT_T1>(kc, next->data(), t, t + 1, ROW_LINES);
-        prefetch_rows<_MM_HINT_T1>(vc, next->data(), t, t + 1, ROW_LINES);
-      }
-      __m512 v[ND];
-      const C* vp = vc + off[t];
-      for (int c = 0; c < ND; ++c) v[c] = load16(vp + 16 * c);
-      for (int gi = 0; gi < GC; ++gi) {
-        if (gi >= gn) break;
-        const __m512 p = _mm512_set1_ps(s0[gi * L + t]);
-        for (int c = 0; c < ND; ++c) acc[gi][c] = _mm512_fmadd_ps(p, v[c], acc[gi][c]);
-      }
+    int64_t t = 0;
+    for (; t < std::min(L, nn); ++t) {
+      prefetch_rows<_MM_HINT_T1>(kc, next->data(), t, t + 1, ROW_LINES);
+      prefetch_rows<_MM_HINT_T1>(vc, next->data(), t, t + 1, ROW_LINES);
+      step(t);
     }
-    for (int64_t gi = 0; gi < gn; ++gi) {
+    for (; t < L; ++t) step(t);
+    for (int gi = 0; gi < GN; ++gi) {
       T* o = op + r * a.o_rs + (h * G + g0 + gi) * a.o_hs;
       for (int c = 0; c < ND; ++c) store16(o + 16 * c, acc[gi][c]);
     }
-  }
+  };
+  for (int64_t g0 = 0; g0 < G; g0 += GC) with_count<GC>(std::min<int64_t>(GC, G - g0), values, g0);
 #endif
 }
 
