@@ -216,9 +216,8 @@ inline void dot_s_blocks(const bf16* qbuf, const uint16_t* kb, int64_t nb, float
       for (int64_t j = 0; j < 3; ++j)
         wj[j] = reinterpret_cast<const bf16*>(kb + std::min(b0 + j, nb - 1) * ND32 * 512);
       float* s = S + r0 * KV_CHUNK + b0 * 16;
-      if (nb - b0 >= 3) bdot_tile<8, 3, false>(xr, wj, s, KV_CHUNK, D / 2, nullptr);
-      else if (nb - b0 == 2) bdot_tile<8, 2, false>(xr, wj, s, KV_CHUNK, D / 2, nullptr);
-      else bdot_tile<8, 1, false>(xr, wj, s, KV_CHUNK, D / 2, nullptr);
+      with_count<3>(std::min<int64_t>(3, nb - b0),
+                    [&](auto blocks) { bdot_tile<8, decltype(blocks)::value, false>(xr, wj, s, KV_CHUNK, D / 2, nullptr); });
     }
   }
 }

@@ -122,6 +122,15 @@ template <> inline __m512 rnd16<bf16>(__m512 v) {  // in register: c10's round-t
 }
 #endif
 
+// f(std::integral_constant<int, n>{}, args...) for 1 <= n <= N: a run-time count as a constant, so a
+// kernel's accumulators for n rows / heads / blocks stay in registers
+template <int N, typename F, typename... A>
+inline void with_count(int64_t n, F&& f, A&&... args) {
+  if constexpr (N > 1)
+    if (n < N) return with_count<N - 1>(n, f, args...);
+  f(std::integral_constant<int, N>{}, args...);
+}
+
 // Rows per task so that a kernel call with under ~32k elements of work stays on the calling
 // thread: the OpenMP team's wake-up and barrier cost more than such a call's work, and when the
 // serving processes preempt one of the team's threads a tiny region stalls the whole step.
@@ -309,14 +318,6 @@ inline void prefetch_rows(const C* base, const int64_t* off, int64_t t0, int64_t
       if constexpr (HINT == _MM_HINT_T1) asm volatile("prefetcht1 %0" : : "m"(*p));
       else asm volatile("prefetcht0 %0" : : "m"(*p));
     }
-}
-
-// f(std::integral_constant<int, n>{}, args...) for 1 <= n <= N: a run-time count as a constant
-template <int N, typename F, typename... A>
-inline void with_count(int64_t n, F&& f, A&&... args) {
-  if constexpr (N > 1)
-    if (n < N) return with_count<N - 1>(n, f, args...);
-  f(std::integral_constant<int, N>{}, args...);
 }
 
 #if defined(AXON_AVX512) && defined(__AVX512BF16__)
@@ -559,10 +560,7 @@ void attend_item_avx2(const AttnArgs& a, const T* qp, T* op, const C* kc, const 
       }
     }
   };
-  int64_t g0 = 0;
-  for (; g0 + 3 <= G; g0 += 3) value_pass(std::integral_constant<int, 3>{}, g0);
-  if (G - g0 == 2) value_pass(std::integral_constant<int, 2>{}, g0);
-  else if (G - g0 == 1) value_pass(std::integral_constant<int, 1>{}, g0);
+  for (int64_t g0 = 0; g0 < G; g0 += 3) with_count<3>(std::min<int64_t>(3, G - g0), value_pass, g0);
 #endif
 }
 
@@ -1299,15 +1297,6 @@ template <int MR, int NR, bool SILU, typename O = bf16>
   }
 }
 
-// bdot_tile for mr (1..MR) rows
-template <int NR, bool SILU, int MR = bdot_mr<SILU>()>
-void bdot_tile_rows(int64_t mr, const int32_t* const* xr, const bf16* const* wj, bf16* op, int64_t os, int64_t K2,
-                   const bf16* const* pf) {
-  if constexpr (MR > 1)
-    if (mr < MR) return bdot_tile_rows<NR, SILU, MR - 1>(mr, xr, wj, op, os, K2, pf);
-  bdot_tile<MR, NR, SILU>(xr, wj, op, os, K2, pf);
-}
-
 template <int NR, bool SILU>
 void bdot_group(const bf16* xp, int64_t xs, int64_t M, const bf16* const* wj, bf16* op, int64_t os, int64_t K2,
                const bf16* const* next) {
@@ -1318,7 +1307,7 @@ void bdot_group(const bf16* xp, int64_t xs, int64_t M, const bf16* const* wj, bf
     for (int64_t m = 0; m < mr; ++m) xr[m] = reinterpret_cast<const int32_t*>(xp + (m0 + m) * xs);
     // the next blocks into L2 during the second row group (the first streams these from memory)
     const bf16* const* pf = r == std::min<int64_t>(1, (M - 1) / MR) ? next : nullptr;
-    bdot_tile_rows<NR, SILU>(mr, xr, wj, op + m0 * os, os, K2, pf);
+    with_count<MR>(mr, [&](auto rows) { bdot_tile<decltype(rows)::value, NR, SILU>(xr, wj, op + m0 * os, os, K2, pf); });
   }
 }
 
