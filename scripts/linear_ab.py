@@ -45,9 +45,7 @@ def main() -> None:
     this = native.for_dtype(torch.bfloat16)
     mods = {"this": this}
     if args.base:
-        from scripts.attention_ab import load_module
-
-        mods["base"] = load_module(args.base)
+        mods["base"] = native.load_build(args.base)
     shapes = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS + [(VOCAB, HIDDEN)]
     # the engine's own weights: the skinny copy (the same layout in every build) and oneDNN's
     weights = [
