@@ -38,6 +38,38 @@ def iter_weights(path: str, progress: bool = True) -> Iterator[tuple[str, torch.
                 bar.update(1)
 
 
+def code_twins(model: nn.Module, path: str) -> list[nn.Parameter]:
+    """Give the linear weights a float32 twin (`p.exact`) that load_weights fills beside them, when
+    the checkpoint stores float32 (a converted GGUF) and the bf16 model would round it: GGUF block
+    codes found in a twin become its weight's code copy (layers/quant.py PackedWeight).
+    AXONSERVE_CODE_COPIES=0 leaves them out; so do models whose load_weights does not fill twins
+    (Llama's does) and CPUs without the codes kernel. Returns the parameters given one."""
+    from axonserve.neuron.layers.quant import CODE_TWIN_MAX_BYTES
+    from axonserve.neuron.ops import native
+
+    if os.environ.get("AXONSERVE_CODE_COPIES", "1") in ("0", "false", "no"):
+        return []
+    k = native.kernels()
+    if k is None or not hasattr(k, "code_rows") or not k.code_rows() or not hasattr(model, "load_weights"):
+        return []
+    with safe_open(safetensors_files(path)[0], framework="pt") as f:
+        if any(f.get_slice(n).get_dtype() != "F32" for n in list(f.keys())[:8]):
+            return []
+    params = {
+        id(m.weight): m.weight
+        for m in model.modules()
+        if getattr(m, "quantizable", False) and isinstance(getattr(m, "weight", None), nn.Parameter)
+    }
+    ps = [p for p in params.values() if p.dtype == torch.bfloat16 and p.dim() == 2]
+    need = sum(p.numel() * 4 for p in ps)
+    if need > CODE_TWIN_MAX_BYTES:
+        log.info("model.code_twins_skipped", gib=round(need / 2**30, 1), limit_gib=CODE_TWIN_MAX_BYTES >> 30)
+        return []
+    for p in ps:
+        p.exact = nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=False)
+    return ps
+
+
 def load_model(
     cfg: ModelConfig,
     dtype: torch.dtype,
@@ -59,9 +91,11 @@ def load_model(
         from axonserve.neuron.layers.fp8 import checkpoint_weights
 
         weights, quantization = checkpoint_weights(weights, fp8_cfg), checkpoint_quantization(cfg.path, quantization)
+    from axonserve.neuron.layers.quant import can_pack, panels_serve, quantize_model
+
+    twins = code_twins(model, cfg.path) if not quantization and pack and can_pack(dtype) else []
     model.load_weights(weights)
     model.eval()
-    from axonserve.neuron.layers.quant import can_pack, panels_serve, quantize_model
 
     if quantization:
         quantize_model(model, quantization, dtype)
@@ -69,6 +103,8 @@ def load_model(
         quantize_model(model, "packed", dtype)
     elif pack and panels_serve(dtype, activation_quantization == "int8"):
         quantize_model(model, "panel", dtype, int8_activations=activation_quantization == "int8")
+    for p in twins:
+        del p.exact
     if activation_quantization and not any(
         getattr(getattr(m, "qweight", None), "int8_activations", False) for m in model.modules()
     ):

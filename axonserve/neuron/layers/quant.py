@@ -112,7 +112,7 @@ class PackedWeight:
 
     method = "packed"
 
-    def __init__(self, w: torch.Tensor):
+    def __init__(self, w: torch.Tensor, exact: torch.Tensor | None = None):
         self.shape = tuple(w.shape)
         self.nbytes = w.numel() * w.element_size()
         # a CPU without oneDNN's bf16 path (no AVX512-BW/VL/DQ nor AVX-NE-CONVERT) keeps the
@@ -126,8 +126,21 @@ class PackedWeight:
         self.skinny_rows = self.kernels.skinny_rows(self.skinny) if self.skinny is not None else 0
         if self.skinny is not None:
             self.nbytes *= 2
+        # `exact`: the float32 values w was rounded from; GGUF block codes among them give a third
+        # copy, the codes, which the fewest-row steps stream instead (5 / 9 bits a weight, same bits)
+        self.codes = self.code_scales = None
+        self.code_rows = self.kernels.code_rows() if self.skinny is not None and exact is not None else 0
+        if self.code_rows:
+            coded = code_copy(exact, w)
+            if coded is None:
+                self.code_rows = 0
+            else:
+                self.codes, self.code_scales = coded
+                self.nbytes += sum(t.numel() * t.element_size() for t in coded)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.codes is not None and x.shape[0] <= self.code_rows and x.dim() == 2 and x.stride(-1) == 1:
+            return self.kernels.qdot_bf16(x, self.codes, self.code_scales)
         if x.shape[0] <= self.skinny_rows and x.dim() == 2 and x.stride(-1) == 1:
             return self.kernels.skinny_bf16(x, self.skinny)
         if not self.onednn:
@@ -218,12 +231,12 @@ class PanelWeight:
 BLOCK = 32  # K steps per scale: GGUF's Q4_1 / Q8_0 block
 
 
-def block_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """float32 [N, K] -> (codes, d, m) in panel_linear_codes' layout when every block of 32 inputs
-    of every row is exactly fma(q, d, m) with float16 d, m and 4-bit q >= 0 (GGUF Q4_1: the block's
-    minimum is m, its maximum 15 d + m) or exactly q d with 8-bit q (Q8_0: its largest magnitude
-    is 127 |d|); else None. Checked by decoding every value again, so None is the only way wrong
-    codes could come back."""
+def block_fit(w: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """float32 [N, K] -> (bits, q [N, K], d, m [N, K/32]) when every block of 32 inputs of every row
+    is exactly fma(q, d, m) with float16 d, m and 4-bit q >= 0 (GGUF Q4_1: the block's minimum is
+    m, its maximum 15 d + m; bits 4) or exactly q d with 8-bit q (Q8_0: its largest magnitude is
+    127 |d|; bits 8, m 0); else None. Checked by decoding every value again, so None is the only
+    way wrong codes could come back."""
     n, k = w.shape
     if n % 16 or k % BLOCK or n == 0 or k == 0:
         return None
@@ -232,15 +245,48 @@ def block_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     d4 = ((g.amax(-1) - lo) / 15).half().float()
     q4 = _codes(g - lo[..., None], d4, 0, 15)
     if _f16(lo) and _decodes(g, q4, d4, lo):
-        q = _panels(q4.reshape(n, k)).to(torch.uint8)  # [N/16, K, 16]
-        codes = (q[..., :8] | (q[..., 8:] << 4)).contiguous()  # column c low nibble, c + 8 high
-        return codes, _panels(d4.half()), _panels(lo.half())
+        return 4, q4.reshape(n, k), d4, lo
     d8 = (g.abs().amax(-1) / 127).half().float()
     q8 = _codes(g, d8, -127, 127)
     zero = torch.zeros_like(d8)
     if _decodes(g, q8, d8, zero):
-        return _panels(q8.reshape(n, k)).to(torch.int8), _panels(d8.half()), _panels(zero.half())
+        return 8, q8.reshape(n, k), d8, zero
     return None
+
+
+def block_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """float32 [N, K] -> (codes, d, m) in panel_linear_codes' layout when `block_fit` finds codes."""
+    fit = block_fit(w)
+    if fit is None:
+        return None
+    bits, q, d, m = fit
+    if bits == 4:
+        q = _panels(q).to(torch.uint8)  # [N/16, K, 16]
+        return (q[..., :8] | (q[..., 8:] << 4)).contiguous(), _panels(d.half()), _panels(m.half())  # c low, c + 8 high
+    return _panels(q).to(torch.int8), _panels(d.half()), _panels(m.half())
+
+
+CODE_TWIN_MAX_BYTES = 4 << 30  # the float32 twins load_model fills for code copies, at most
+
+
+def code_copy(exact: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(codes, scales) in qdot_bf16's layout (cpu_kernels.cpp) for a bf16 weight `w` loaded by
+    rounding the float32 `exact`, when `exact` is GGUF block codes (block_fit) and their rounding is
+    `w` bit for bit; else None. The kernel rebuilds each value as fma(q, d, m) in float32, rounded
+    to bf16: the very weight the skinny bf16 copy holds."""
+    fit = block_fit(exact)
+    if fit is None or not torch.equal(exact.bfloat16(), w):
+        return None
+    bits, q, d, m = fit
+    n, k = q.shape
+    lanes = q.reshape(n // 16, 16, k // 2, 2).transpose(1, 2)  # [N/16, K/2, 16 columns, K pair]
+    lo, hi = lanes[:, :, :8].reshape(n // 16, k // 2, 16), lanes[:, :, 8:].reshape(n // 16, k // 2, 16)
+    if bits == 4:
+        codes = (lo.to(torch.uint8) | (hi.to(torch.uint8) << 4)).contiguous()
+    else:
+        codes = torch.cat([lo, hi], -1).to(torch.int8).contiguous()
+    per_block = lambda t: t.half().reshape(n // 16, 16, k // BLOCK).transpose(1, 2)  # noqa: E731
+    return codes, torch.stack([per_block(d), per_block(m)], 2).contiguous()
 
 
 def _codes(v: torch.Tensor, d: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -326,7 +372,7 @@ def quantize_model(model: nn.Module, method: str, act_dtype: torch.dtype, int8_a
                 continue  # (a shard with a row count the panels do not tile stays dense)
             m.qweight = PanelWeight(w.data, panels, int8_activations)
         elif method == "packed":
-            m.qweight = PackedWeight(w.data)
+            m.qweight = PackedWeight(w.data, getattr(w, "exact", None))
         else:
             m.qweight = QuantizedWeight(w.data, method, act_dtype)
         before += w.numel() * w.element_size()

@@ -89,28 +89,33 @@ def build(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, ...]], native: 
     return stack
 
 
-LinearSpec = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int, int, torch.Tensor]
+T = torch.Tensor
+LinearSpec = tuple[int, T, T, T, int, int, T, T, T, int]
+NO_CODES = (NONE, NONE, 0)
 
 
 def linear_spec(weight: torch.Tensor | None, bias: torch.Tensor | None, q: Any = None) -> LinearSpec | None:
-    """(kind, weight, aux, bias, skinny rows, int4 group, skinny scales) as the native StackLinear
-    takes them; None for a format it does not know. An int8 weight with an AMX copy is "packed":
-    that copy (and its scales) up to its rows, the dequantized oneDNN copy above."""
+    """(kind, weight, aux, bias, skinny rows, int4 group, skinny scales, codes, code scales, code rows)
+    as the native StackLinear takes them; None for a format it does not know. An int8 weight with
+    an AMX copy is "packed": that copy (and its scales) up to its rows, the dequantized oneDNN copy
+    above. A bf16 one with block codes (PackedWeight.codes) runs them up to their rows."""
     b = bias.detach() if bias is not None else NONE
     if q is None:
-        return (_KINDS["dense"], weight.detach(), NONE, b, 0, 0, NONE) if weight is not None else None
+        return (_KINDS["dense"], weight.detach(), NONE, b, 0, 0, NONE, *NO_CODES) if weight is not None else None
     if isinstance(q, PackedWeight):
         if not q.onednn:  # kept dense (a CPU without oneDNN bf16)
-            return _KINDS["dense"], q.data, NONE, b, 0, 0, NONE
-        return _KINDS["packed"], q.data, q.skinny if q.skinny is not None else NONE, b, q.skinny_rows, 0, NONE
+            return _KINDS["dense"], q.data, NONE, b, 0, 0, NONE, *NO_CODES
+        codes = (q.codes, q.code_scales, q.code_rows) if q.codes is not None else NO_CODES
+        return _KINDS["packed"], q.data, q.skinny if q.skinny is not None else NONE, b, q.skinny_rows, 0, NONE, *codes
     if isinstance(q, PanelWeight):  # (block codes: d in aux, m in scales)
         if q.int8_activations:
-            return _KINDS["dot"], q.data, q.d, b, 0, 0, q.m
-        return _KINDS["panel"], q.data, q.d if q.d is not None else NONE, b, 0, 0, q.m if q.m is not None else NONE
+            return _KINDS["dot"], q.data, q.d, b, 0, 0, q.m, *NO_CODES
+        d, m = (q.d, q.m) if q.d is not None else (NONE, NONE)
+        return _KINDS["panel"], q.data, d, b, 0, 0, m, *NO_CODES
     if isinstance(q, QuantizedWeight):
         if q.skinny is not None:
-            return _KINDS["packed"], q.data, q.skinny, b, q.skinny_rows, 0, q.skinny_scales
-        return _KINDS[q.method], q.data, q.scales, b, 0, INT4_GROUP, NONE
+            return _KINDS["packed"], q.data, q.skinny, b, q.skinny_rows, 0, q.skinny_scales, *NO_CODES
+        return _KINDS[q.method], q.data, q.scales, b, 0, INT4_GROUP, NONE, *NO_CODES
     return None
 
 
@@ -118,6 +123,6 @@ def add_layer(stack: Any, in_norm: torch.Tensor, post_norm: torch.Tensor, parts:
     """Append a layer with linears (qkv, o, gate_up, down); False (nothing added) if one has no spec."""
     if any(p is None for p in parts):
         return False
-    kinds, w, aux, bias, rows, group, scales = (list(c) for c in zip(*parts))  # type: ignore[arg-type]
-    stack.add_layer(in_norm.detach(), post_norm.detach(), kinds, w, aux, bias, rows, group, scales)
+    columns = [list(c) for c in zip(*parts)]  # type: ignore[arg-type]
+    stack.add_layer(in_norm.detach(), post_norm.detach(), *columns)
     return True

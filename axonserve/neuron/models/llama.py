@@ -225,7 +225,10 @@ class LlamaForCausalLM(nn.Module):
             if name not in params:
                 raise KeyError(f"checkpoint tensor {name} has no parameter in {type(self).__name__}")
             p = params[name]
-            getattr(p, "weight_loader", default_weight_loader)(p, w.to(p.dtype), shard)
+            load = getattr(p, "weight_loader", default_weight_loader)
+            load(p, w.to(p.dtype), shard)
+            if getattr(p, "exact", None) is not None:  # its float32 twin (loader.code_twins)
+                load(p.exact, w.float(), shard)
             loaded.add(name)
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")

@@ -1256,6 +1256,11 @@ struct BlockMap {
   const W* at(int64_t b) const { return w + (half ? ((b & 1) ? half + (b >> 1) : b >> 1) : b) * bs; }
 };
 
+// Rows qdot_bf16 takes: a step of up to 4 rows waits on the weight's bytes more than on rebuilding
+// it from codes (SmolLM2's decode step on the Zen 4: docs/benchmarks.md#fig-code-copies), and with a
+// block's d and m in four registers each, 4 x 2 accumulators fit
+constexpr int QDOT_ROWS = 4;
+
 #if defined(AXON_AVX512) && defined(__AVX512BF16__)
 // The weight's 16-column blocks are taken a few at a time, and every row group of x passes over
 // those blocks while they are in L2 (rows x blocks float32 accumulators, each x pair broadcast
@@ -1265,6 +1270,36 @@ struct BlockMap {
 // of gate_up_proj's weight and the epilogue writes silu_and_mul's bits of the two rounded products.
 template <bool SILU> constexpr int bdot_nr() { return SILU ? 4 : 3; }  // blocks a group
 template <bool SILU> constexpr int bdot_mr() { return SILU ? 6 : 8; }  // rows a group (24 accumulators)
+
+// One K pair of an MR x NR tile: each row's x pair (broadcast) times each of the NR weight vectors,
+// into its (row, block) accumulator. Shared by bdot_tile and qdot_tile, which so sum alike.
+template <int MR, int NR>
+[[gnu::always_inline]] inline void dot_pair(__m512 (&acc)[MR][NR], const int32_t* const* xr, int64_t p,
+                                            const __m512bh* w) {
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    const __m512bh b = (__m512bh)_mm512_set1_epi32(xr[m][p]);
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], b, w[j]);
+  }
+}
+
+// A tile's accumulators out: rounded to O, or (SILU) each (gate, up) block pair rounded to bf16 and
+// through silu_and_mul's arithmetic.
+template <int MR, int NR, bool SILU, typename O>
+[[gnu::always_inline]] inline void store_tile(__m512 (&acc)[MR][NR], O* op, int64_t os) {
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    if constexpr (SILU) {
+#pragma GCC unroll 4
+      for (int i = 0; i < NR / 2; ++i)
+        store16(op + m * os + i * 16, silu_mul16<bf16>(rnd16<bf16>(acc[m][2 * i]), rnd16<bf16>(acc[m][2 * i + 1])));
+    } else {
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) store16(op + m * os + j * 16, acc[m][j]);
+    }
+  }
+}
 
 // O: the output's type (bf16, rounded once; float, as summed: the prompt attention's scores)
 template <int MR, int NR, bool SILU, typename O = bf16>
@@ -1280,21 +1315,9 @@ template <int MR, int NR, bool SILU, typename O = bf16>
     if (pf)
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf[j] + p * 32), _MM_HINT_T1);
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      const __m512bh b = (__m512bh)_mm512_set1_epi32(xr[m][p]);
-#pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], b, w[j]);
-    }
+    dot_pair<MR, NR>(acc, xr, p, w);
   }
-  for (int m = 0; m < MR; ++m) {
-    if constexpr (SILU) {
-      for (int i = 0; i < NR / 2; ++i)
-        store16(op + m * os + i * 16, silu_mul16<bf16>(rnd16<bf16>(acc[m][2 * i]), rnd16<bf16>(acc[m][2 * i + 1])));
-    } else {
-      for (int j = 0; j < NR; ++j) store16(op + m * os + j * 16, acc[m][j]);
-    }
-  }
+  store_tile<MR, NR, SILU>(acc, op, os);
 }
 
 template <int NR, bool SILU>
@@ -1311,32 +1334,133 @@ void bdot_group(const bf16* xp, int64_t xs, int64_t M, const bf16* const* wj, bf
   }
 }
 
+// f(v0, nr, ahead) for each group of NR column blocks (v0 its first, nr <= NR of them; ahead: the
+// next group is the same task's and whole, so its blocks may be requested meanwhile), the groups
+// split between the kernels' pool at ~64k weight pairs x rows a task (a small product stays on the
+// calling thread).
+template <int NR, typename F>
+void for_block_groups(int64_t NB, int64_t K2, int64_t M, F&& f) {
+  pool_for(0, (NB + NR - 1) / NR, std::max<int64_t>(1, 65536 / (K2 * 16 * NR * M)), [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) f(g * NR, std::min<int64_t>(NR, NB - g * NR), g + 1 < end && NB - g * NR >= 2 * NR);
+  });
+}
+
 template <bool SILU>
 void bdot_rows(const at::Tensor& x, const at::Tensor& wp, at::Tensor& out) {
   constexpr int NR = bdot_nr<SILU>();
   const int64_t NB = wp.size(0), K2 = wp.size(1), M = x.size(0);
-  const int64_t G = (NB + NR - 1) / NR;
   const BlockMap<bf16> map{wp.data_ptr<bf16>(), K2 * 32, SILU ? NB / 2 : 0};  // SILU: gate 0, up 0, gate 1, ...
   const bf16* xp = x.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
   const int64_t xs = x.stride(0), os = out.stride(0);
-  // ~64k weight pairs x rows a task: a small product stays on the calling thread
-  pool_for(0, G, std::max<int64_t>(1, 65536 / (K2 * 16 * NR * M)), [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t v0 = g * NR, nr = std::min<int64_t>(NR, NB - v0);
-      const bf16* wj[NR];
-      const bf16* nx[NR];
-      for (int j = 0; j < NR; ++j) {
-        wj[j] = map.at(std::min(v0 + j, NB - 1));
-        nx[j] = map.at(std::min(v0 + NR + j, NB - 1));
-      }
-      // the next group's blocks into L2 while this one is in use, when it is this task's and whole
-      const bf16* const* next = g + 1 < end && NB - v0 >= 2 * NR ? nx : nullptr;
-      bf16* o = op + (SILU ? v0 / 2 : v0) * 16;
-      if (nr == NR) bdot_group<NR, SILU>(xp, xs, M, wj, o, os, K2, next);
-      else if (nr == 2) bdot_group<2, SILU>(xp, xs, M, wj, o, os, K2, nullptr);  // (SILU: one pair)
-      else if constexpr (!SILU) bdot_group<1, SILU>(xp, xs, M, wj, o, os, K2, nullptr);
+  for_block_groups<NR>(NB, K2, M, [&](int64_t v0, int64_t nr, bool ahead) {
+    const bf16* wj[NR];
+    const bf16* nx[NR];
+    for (int j = 0; j < NR; ++j) {
+      wj[j] = map.at(std::min(v0 + j, NB - 1));
+      nx[j] = map.at(std::min(v0 + NR + j, NB - 1));
     }
+    const bf16* const* next = ahead ? nx : nullptr;  // the next group's blocks into L2 while this one is in use
+    bf16* o = op + (SILU ? v0 / 2 : v0) * 16;
+    if (nr == NR) bdot_group<NR, SILU>(xp, xs, M, wj, o, os, K2, next);
+    else if (nr == 2) bdot_group<2, SILU>(xp, xs, M, wj, o, os, K2, nullptr);  // (SILU: one pair)
+    else if constexpr (!SILU) bdot_group<1, SILU>(xp, xs, M, wj, o, os, K2, nullptr);
+  });
+}
+
+// The same products from block codes (`qdot_bf16`): a GGUF Q4_1 / Q8_0 weight that the converter
+// dequantized to float32 and the loader rounded to bf16 is kept as its codes and float16 scales
+// (layers/quant.py `code_copy`, checked bit for bit at load), and each 64-byte bf16 vector of
+// bdot_tile's layout is rebuilt in registers: fma(q, d, m) in float32 (the converter's one
+// rounding) and vcvtne2ps2bf16 (the loader's round-to-nearest-even). So the products, their order
+// and the bits are bdot_rows', from 5 (Q4_1) or 9 (Q8_0) bits a weight streamed instead of 16: a
+// decode step of a few rows waits on those bytes. Codes [NB, K/2, CB]: byte i of a (block, K pair)
+// holds lane i of the low 16 floats (column i / 2, K 2p + i % 2) and lane i of the high 16 (column
+// 8 + i / 2): a nibble each for Q4_1 (CB 16), a signed byte each for Q8_0 (CB 32, high lanes in
+// bytes 16-31). Scales [NB, K/32, 2, 16] float16: d then m of the block's 16 columns.
+template <int BITS> constexpr int64_t qdot_cb() { return BITS == 4 ? 16 : 32; }  // code bytes a (block, K pair)
+
+template <int BITS>
+inline __m512bh qdot_decode(const uint8_t* c, const __m512* dm) {
+  __m512i lo, hi;
+  if constexpr (BITS == 4) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+    lo = _mm512_and_si512(v, _mm512_set1_epi32(15));
+    hi = _mm512_srli_epi32(v, 4);
+  } else {
+    lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+    hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16)));
+  }
+  const __m512 wl = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), dm[0], dm[1]);
+  const __m512 wh = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), dm[2], dm[3]);
+  return _mm512_cvtne2ps_pbh(wh, wl);  // words 0-15 from wl, 16-31 from wh: (column, K pair) lanes
+}
+
+template <int MR, int NR, bool SILU, int BITS>
+[[gnu::noinline]] void qdot_tile(const int32_t* const* xr, const uint8_t* const* cj, const at::Half* const* sj,
+                                 bf16* op, int64_t os, int64_t K2, const uint8_t* const* pf) {
+  constexpr int64_t CB = qdot_cb<BITS>();
+  const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
+  __m512 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t p0 = 0; p0 < K2; p0 += 16) {  // a K block of 32: one d and m a column
+    __m512 dm[NR][4];
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      const at::Half* s = sj[j] + p0 * 2;  // (p0 / 16) * 32
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16)));
+      dm[j][0] = _mm512_permutexvar_ps(lo_idx, d);
+      dm[j][1] = _mm512_permutexvar_ps(lo_idx, m);
+      dm[j][2] = _mm512_permutexvar_ps(hi_idx, d);
+      dm[j][3] = _mm512_permutexvar_ps(hi_idx, m);
+    }
+#pragma GCC unroll 2
+    for (int64_t p = p0; p < p0 + 16; ++p) {
+      __m512bh w[NR];
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) w[j] = qdot_decode<BITS>(cj[j] + p * CB, dm[j]);
+      if (pf && (p * CB) % 64 == 0)
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf[j] + p * CB), _MM_HINT_T1);
+      dot_pair<MR, NR>(acc, xr, p, w);
+    }
+  }
+  store_tile<MR, NR, SILU>(acc, op, os);
+}
+
+// bdot_rows over block codes for up to QDOT_ROWS rows: two 16-column blocks a task step (SILU: a gate
+// block and its up block) rebuilt in registers once for all the rows, the next pair's codes
+// requested into L2 meanwhile. (More rows pay the rebuild more than they save in bytes: rebuilding
+// into an L2 buffer for bdot_tile's row groups ran 6-16-row steps no faster than the bf16 copy.)
+template <bool SILU, int BITS>
+void qdot_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, at::Tensor& out) {
+  constexpr int NR = 2;
+  const int64_t NB = codes.size(0), K2 = codes.size(1), M = x.size(0);
+  const int64_t half = SILU ? NB / 2 : 0;  // SILU: gate 0, up 0, gate 1, ...
+  const BlockMap<uint8_t> cmap{static_cast<const uint8_t*>(codes.data_ptr()), K2 * qdot_cb<BITS>(), half};
+  const BlockMap<at::Half> smap{scales.data_ptr<at::Half>(), K2 * 2, half};
+  const int32_t* xr[QDOT_ROWS];
+  for (int64_t m = 0; m < M; ++m) xr[m] = reinterpret_cast<const int32_t*>(x.data_ptr<bf16>() + m * x.stride(0));
+  bf16* op = out.data_ptr<bf16>();
+  const int64_t os = out.stride(0);
+  for_block_groups<NR>(NB, K2, M, [&](int64_t v0, int64_t nr, bool ahead) {
+    const uint8_t* cj[NR];
+    const uint8_t* nx[NR];
+    const at::Half* sj[NR];
+    for (int j = 0; j < NR; ++j) {
+      cj[j] = cmap.at(std::min(v0 + j, NB - 1));
+      sj[j] = smap.at(std::min(v0 + j, NB - 1));
+      nx[j] = cmap.at(std::min(v0 + NR + j, NB - 1));
+    }
+    bf16* o = op + (SILU ? v0 / 2 : v0) * 16;
+    with_count<QDOT_ROWS>(M, [&](auto rows) {
+      constexpr int R = decltype(rows)::value;
+      if (nr == NR) qdot_tile<R, NR, SILU, BITS>(xr, cj, sj, o, os, K2, ahead ? nx : nullptr);
+      else if constexpr (!SILU) qdot_tile<R, 1, SILU, BITS>(xr, cj, sj, o, os, K2, nullptr);
+    });
   });
 }
 #endif
@@ -1707,6 +1831,43 @@ at::Tensor dot_bf16(at::Tensor x, at::Tensor wp, bool silu) {
   else bdot_rows<false>(x, wp, out);
 #endif
   return out;
+}
+
+// dot_bf16's product (silu: gate_up_silu's) from block codes (qdot_rows): the same bits as dot_bf16
+// over the bf16 weight the codes rebuild. codes: uint8 [NB, K/2, 16] (Q4_1) or int8 [NB, K/2, 32]
+// (Q8_0); scales float16 [NB, K/32, 2, 16].
+at::Tensor qdot_bf16(at::Tensor x, at::Tensor codes, at::Tensor scales, bool silu) {
+  TORCH_CHECK(has_bf16_gemv(), "qdot_bf16 needs AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16, "x: [M, K] bfloat16, rows dense");
+  const bool q4 = codes.scalar_type() == at::kByte;
+  TORCH_CHECK(q4 || codes.scalar_type() == at::kChar, "codes: uint8 (Q4_1) or int8 (Q8_0)");
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.size(2) == (q4 ? 16 : 32), "codes: [NB, K/2, ",
+              q4 ? 16 : 32, "]");
+  const int64_t NB = codes.size(0), K2 = codes.size(1), M = x.size(0);
+  TORCH_CHECK(x.size(1) == 2 * K2 && K2 % 16 == 0, "x has ", x.size(1), " columns, the codes ", 2 * K2,
+              " (a multiple of 32)");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 4 &&
+              scales.size(0) == NB && scales.size(1) == K2 / 16 && scales.size(2) == 2 && scales.size(3) == 16,
+              "scales: float16 [NB, K/32, 2, 16]");
+  TORCH_CHECK(M <= QDOT_ROWS, "qdot_bf16 takes 0..", QDOT_ROWS, " rows");
+  TORCH_CHECK(!silu || NB % 2 == 0, "silu: I a multiple of 16");
+  at::Tensor out = at::empty({M, silu ? NB / 2 * 16 : NB * 16}, x.options());
+  if (M == 0) return out;
+#if defined(AXON_AVX512) && defined(__AVX512BF16__)
+  if (q4) silu ? qdot_rows<true, 4>(x, codes, scales, out) : qdot_rows<false, 4>(x, codes, scales, out);
+  else silu ? qdot_rows<true, 8>(x, codes, scales, out) : qdot_rows<false, 8>(x, codes, scales, out);
+#endif
+  return out;
+}
+
+// The most rows qdot_bf16 should take in place of skinny_bf16 (where that runs the dot-product loop,
+// whose bits it has): QDOT_ROWS; 0 where AMX tiles take the bf16 weight (other bits) or there is no
+// AVX512-BF16.
+int64_t code_rows() {
+#ifdef AXON_AMX
+  if (amx_permitted()) return 0;
+#endif
+  return has_bf16_gemv() ? QDOT_ROWS : 0;
 }
 
 // The most rows skinny_bf16 should take for this packed weight: 128 with AMX (K a multiple of 32)
@@ -2596,6 +2757,8 @@ struct StackLinear {
   int64_t rows = 0;   // PACKED: the most rows the skinny copy takes
   int64_t group = 0;  // INT4: input columns per scale
   at::Tensor scales;  // PACKED with an int8 skinny copy: its float32 column scales
+  at::Tensor codes, code_scales;  // PACKED: the bf16 weight as block codes (qdot_bf16; may be empty)
+  int64_t code_rows = 0;            // ... which take steps of up to this many rows
 
   // The most rows x may have for this projection to run on the kernels' own loops only (no oneDNN,
   // no torch op large enough for OpenMP's team: ATen splits elementwise ops from 32,768 elements)
@@ -2621,7 +2784,8 @@ struct StackLinear {
           return at::linear(x, w, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
         break;
       case PACKED:
-        if (x.size(0) > rows) y = onednn_linear(x.contiguous(), w);
+        if (codes.defined() && x.size(0) <= code_rows && x.stride(1) == 1) y = qdot_bf16(x, codes, code_scales, false);
+        else if (x.size(0) > rows) y = onednn_linear(x.contiguous(), w);
         else y = aux.scalar_type() == at::kChar ? skinny_int8(x, aux, scales) : skinny_bf16(x, aux);
         break;
       case INT8: y = at::_weight_int8pack_mm(x.to(aux.scalar_type()), w, aux); break;
@@ -2638,6 +2802,8 @@ struct StackLinear {
   // silu_and_mul. (Prompt rows keep oneDNN: an AMX pass like amx_rows32's over L2-sized column
   // groups ran at oneDNN's speed, so fusing there bought nothing; docs/benchmarks.md#fig-gate-up-silu.)
   at::Tensor silu_mul(const at::Tensor& x) const {
+    if (silu_fused && codes.defined() && x.size(0) <= code_rows && x.stride(1) == 1)
+      return qdot_bf16(x, codes, code_scales, true);
     if (silu_fused && x.size(0) <= rows && x.stride(1) == 1) return gate_up_silu(x, aux);
     return silu_and_mul((*this)(x));
   }
@@ -2666,17 +2832,25 @@ struct DecoderStack {
                at::Tensor sin_)
       : Hq(hq), Hkv(hkv), D(d), eps(eps_), scale(scale_), final_norm(final_norm_), cos(cos_), sin(sin_) {}
 
-  // linears: (kind, w, aux, bias, rows, group, scales) for qkv, o, gate_up, down; empty tensors stand for none
+  // linears: (kind, w, aux, bias, rows, group, scales, codes, code scales, code rows) for qkv, o, gate_up,
+  // down; empty tensors stand for none
   void add_layer(at::Tensor in_norm, at::Tensor post_norm, std::vector<int64_t> kinds, std::vector<at::Tensor> w,
                  std::vector<at::Tensor> aux, std::vector<at::Tensor> bias, std::vector<int64_t> rows,
-                 std::vector<int64_t> group, std::vector<at::Tensor> scales) {
+                 std::vector<int64_t> group, std::vector<at::Tensor> scales, std::vector<at::Tensor> codes,
+                 std::vector<at::Tensor> code_scales, std::vector<int64_t> code_rows) {
     TORCH_CHECK(kinds.size() == 4 && w.size() == 4 && aux.size() == 4 && bias.size() == 4 && rows.size() == 4 &&
-                group.size() == 4 && scales.size() == 4, "add_layer: four linears (qkv, o, gate_up, down)");
+                group.size() == 4 && scales.size() == 4 && codes.size() == 4 && code_scales.size() == 4 &&
+                code_rows.size() == 4, "add_layer: four linears (qkv, o, gate_up, down)");
     StackLinear lin[4];
     for (int i = 0; i < 4; ++i) {
       TORCH_CHECK(kinds[i] >= StackLinear::DENSE && kinds[i] <= StackLinear::DOT, "unknown linear kind ", kinds[i]);
       lin[i] = StackLinear{kinds[i], w[i], aux[i], bias[i].numel() ? bias[i] : at::Tensor(), rows[i], group[i],
                            scales[i]};
+      if (kinds[i] == StackLinear::PACKED && code_rows[i] > 0 && codes[i].numel()) {
+        lin[i].codes = codes[i];
+        lin[i].code_scales = code_scales[i];
+        lin[i].code_rows = std::min<int64_t>(code_rows[i], QDOT_ROWS);
+      }
     }
     lin[2].silu_fused = lin[2].fusable() && gate_up_fusion();
     layers.push_back(Layer{in_norm, post_norm, lin[0], lin[1], lin[2], lin[3]});
@@ -2781,6 +2955,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gate_up_silu", &gate_up_silu, "silu(x @ Wg^T) * (x @ Wu^T) for 1..128 rows, W = [Wg; Wu] packed (AMX, or AVX512-BF16)");
   m.def("dot_bf16", &dot_bf16, "x @ W^T for 0..128 rows on AVX512-BF16's dot-product loop (skinny_bf16 without AMX); "
         "silu: gate_up_silu's product", py::arg("x"), py::arg("wp"), py::arg("silu") = false);
+  m.def("code_rows", &code_rows, "the most rows qdot_bf16 takes in place of skinny_bf16 on this CPU (0: none)");
+  m.def("qdot_bf16", &qdot_bf16, "dot_bf16's product (silu: gate_up_silu's) with the weight rebuilt from Q4_1 / "
+        "Q8_0 block codes in registers, bit for bit", py::arg("x"), py::arg("codes"), py::arg("scales"),
+        py::arg("silu") = false);
   m.def("skinny_bf16", &skinny_bf16, "x @ W^T for 1..skinny_rows rows: AMX tiles, else the dot-product loop");
   m.def("skinny_fp8", &skinny_fp8, "x @ (W * scales)^T, W float8_e4m3fn [N, K] widened in registers");
   m.def("fp8_linear", &fp8_linear, "x @ (W * scales)^T: skinny_fp8 up to FP8_SKINNY_ROWS rows, else dequantized");
