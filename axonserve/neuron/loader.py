@@ -103,8 +103,8 @@ def load_model(
         quantize_model(model, "packed", dtype)
     elif pack and panels_serve(dtype, activation_quantization == "int8"):
         quantize_model(model, "panel", dtype, int8_activations=activation_quantization == "int8")
-    for p in twins:
-        del p.exact
+    for p in twins:  # (quantize_model takes each twin it uses)
+        p.__dict__.pop("exact", None)
     if activation_quantization and not any(
         getattr(getattr(m, "qweight", None), "int8_activations", False) for m in model.modules()
     ):

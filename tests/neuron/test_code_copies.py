@@ -58,6 +58,18 @@ def test_no_copy_unless_the_codes_rebuild_the_weight():
     assert code_copy(torch.randn(32, 40), torch.randn(32, 40).bfloat16()) is None  # K not a multiple of 32
 
 
+def test_codes_are_fitted_in_row_chunks_of_one_kind(monkeypatch):
+    from axonserve.neuron.layers import quant
+
+    w = _gguf_like(64, 64, "q4", seed=5)
+    whole = code_copy(w, w.bfloat16())
+    monkeypatch.setattr(quant, "CODE_FIT_ROWS", 16)
+    chunked = code_copy(w, w.bfloat16())
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
+    mixed = torch.cat([w[:16], _gguf_like(48, 64, "q8", seed=6)])  # Q4_1 rows, then Q8_0 ones
+    assert code_copy(mixed, mixed.bfloat16()) is None
+
+
 def test_qdot_refuses_what_it_cannot_take():
     w = _gguf_like(32, 64, "q4", seed=4)
     codes, scales = code_copy(w, w.bfloat16())

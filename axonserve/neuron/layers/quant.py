@@ -267,6 +267,7 @@ def block_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 
 CODE_TWIN_MAX_BYTES = 4 << 30  # the float32 twins load_model fills for code copies, at most
+CODE_FIT_ROWS = 4096  # rows block_fit checks at a time (its float64 temporaries: ~1 GiB for 4096 x 4096)
 
 
 def code_copy(exact: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -274,10 +275,11 @@ def code_copy(exact: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch
     rounding the float32 `exact`, when `exact` is GGUF block codes (block_fit) and their rounding is
     `w` bit for bit; else None. The kernel rebuilds each value as fma(q, d, m) in float32, rounded
     to bf16: the very weight the skinny bf16 copy holds."""
-    fit = block_fit(exact)
-    if fit is None or not torch.equal(exact.bfloat16(), w):
+    fits = [block_fit(exact[r : r + CODE_FIT_ROWS]) for r in range(0, exact.shape[0], CODE_FIT_ROWS)]
+    if any(f is None for f in fits) or len({f[0] for f in fits}) != 1 or not torch.equal(exact.bfloat16(), w):
         return None
-    bits, q, d, m = fit
+    bits = fits[0][0]
+    q, d, m = (torch.cat([f[i] for f in fits]) for i in (1, 2, 3))
     n, k = q.shape
     lanes = q.reshape(n // 16, 16, k // 2, 2).transpose(1, 2)  # [N/16, K/2, 16 columns, K pair]
     lo, hi = lanes[:, :, :8].reshape(n // 16, k // 2, 16), lanes[:, :, 8:].reshape(n // 16, k // 2, 16)
@@ -372,7 +374,7 @@ def quantize_model(model: nn.Module, method: str, act_dtype: torch.dtype, int8_a
                 continue  # (a shard with a row count the panels do not tile stays dense)
             m.qweight = PanelWeight(w.data, panels, int8_activations)
         elif method == "packed":
-            m.qweight = PackedWeight(w.data, getattr(w, "exact", None))
+            m.qweight = PackedWeight(w.data, w.__dict__.pop("exact", None))  # (the twin's memory back at once)
         else:
             m.qweight = QuantizedWeight(w.data, method, act_dtype)
         before += w.numel() * w.element_size()
