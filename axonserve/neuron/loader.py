@@ -43,14 +43,14 @@ def code_twins(model: nn.Module, path: str) -> list[nn.Parameter]:
     the checkpoint stores float32 (a converted GGUF) and the bf16 model would round it: GGUF block
     codes found in a twin become its weight's code copy (layers/quant.py PackedWeight).
     AXONSERVE_CODE_COPIES=0 leaves them out; so do models whose load_weights does not fill twins
-    (Llama's does) and CPUs without the codes kernel. Returns the parameters given one."""
+    (`fills_code_twins`: Llama's family) and CPUs without the codes kernel. Returns the parameters given one."""
     from axonserve.neuron.layers.quant import CODE_TWIN_MAX_BYTES
     from axonserve.neuron.ops import native
 
     if os.environ.get("AXONSERVE_CODE_COPIES", "1") in ("0", "false", "no"):
         return []
     k = native.kernels()
-    if k is None or not hasattr(k, "code_rows") or not k.code_rows() or not hasattr(model, "load_weights"):
+    if k is None or not hasattr(k, "code_rows") or not k.code_rows() or not getattr(model, "fills_code_twins", False):
         return []
     with safe_open(safetensors_files(path)[0], framework="pt") as f:
         if any(f.get_slice(n).get_dtype() != "F32" for n in list(f.keys())[:8]):

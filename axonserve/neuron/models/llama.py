@@ -190,6 +190,7 @@ class LlamaForCausalLM(nn.Module):
         ".gate_proj.": (".gate_up_proj.", 0),
         ".up_proj.": (".gate_up_proj.", 1),
     }
+    fills_code_twins: ClassVar[bool] = True  # load_weights loads a weight's float32 twin too (loader.code_twins)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
