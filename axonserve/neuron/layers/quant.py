@@ -128,15 +128,11 @@ class PackedWeight:
             self.nbytes *= 2
         # `exact`: the float32 values w was rounded from; GGUF block codes among them give a third
         # copy, the codes, which the fewest-row steps stream instead (5 / 9 bits a weight, same bits)
-        self.codes = self.code_scales = None
-        self.code_rows = self.kernels.code_rows() if self.skinny is not None and exact is not None else 0
-        if self.code_rows:
-            coded = code_copy(exact, w)
-            if coded is None:
-                self.code_rows = 0
-            else:
-                self.codes, self.code_scales = coded
-                self.nbytes += sum(t.numel() * t.element_size() for t in coded)
+        rows = self.kernels.code_rows() if self.skinny is not None and exact is not None else 0
+        coded = code_copy(exact, w) if rows else None
+        self.codes, self.code_scales = coded or (None, None)
+        self.code_rows = rows if coded else 0
+        self.nbytes += sum(t.numel() * t.element_size() for t in coded or ())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.codes is not None and x.shape[0] <= self.code_rows and x.dim() == 2 and x.stride(-1) == 1:

@@ -90,22 +90,22 @@ def build(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, ...]], native: 
 
 
 T = torch.Tensor
-LinearSpec = tuple[int, T, T, T, int, int, T, T, T, int]
-NO_CODES = (NONE, NONE, 0)
+LinearSpec = tuple[int, T, T, T, int, int, T, T, T]
+NO_CODES = (NONE, NONE)
 
 
 def linear_spec(weight: torch.Tensor | None, bias: torch.Tensor | None, q: Any = None) -> LinearSpec | None:
-    """(kind, weight, aux, bias, skinny rows, int4 group, skinny scales, codes, code scales, code rows)
-    as the native StackLinear takes them; None for a format it does not know. An int8 weight with
+    """(kind, weight, aux, bias, skinny rows, int4 group, skinny scales, codes, code scales) as the
+    native StackLinear takes them; None for a format it does not know. An int8 weight with
     an AMX copy is "packed": that copy (and its scales) up to its rows, the dequantized oneDNN copy
-    above. A bf16 one with block codes (PackedWeight.codes) runs them up to their rows."""
+    above. A bf16 one with block codes (PackedWeight.codes) runs them for steps of up to code_rows() rows."""
     b = bias.detach() if bias is not None else NONE
     if q is None:
         return (_KINDS["dense"], weight.detach(), NONE, b, 0, 0, NONE, *NO_CODES) if weight is not None else None
     if isinstance(q, PackedWeight):
         if not q.onednn:  # kept dense (a CPU without oneDNN bf16)
             return _KINDS["dense"], q.data, NONE, b, 0, 0, NONE, *NO_CODES
-        codes = (q.codes, q.code_scales, q.code_rows) if q.codes is not None else NO_CODES
+        codes = (q.codes, q.code_scales) if q.codes is not None else NO_CODES
         return _KINDS["packed"], q.data, q.skinny if q.skinny is not None else NONE, b, q.skinny_rows, 0, NONE, *codes
     if isinstance(q, PanelWeight):  # (block codes: d in aux, m in scales)
         if q.int8_activations:

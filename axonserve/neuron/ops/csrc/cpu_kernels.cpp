@@ -2758,7 +2758,7 @@ struct StackLinear {
   int64_t group = 0;  // INT4: input columns per scale
   at::Tensor scales;  // PACKED with an int8 skinny copy: its float32 column scales
   at::Tensor codes, code_scales;  // PACKED: the bf16 weight as block codes (qdot_bf16; may be empty)
-  int64_t code_rows = 0;            // ... which take steps of up to this many rows
+  int64_t code_rows = 0;            // ... which take steps of up to code_rows() rows (0: none)
 
   // The most rows x may have for this projection to run on the kernels' own loops only (no oneDNN,
   // no torch op large enough for OpenMP's team: ATen splits elementwise ops from 32,768 elements)
@@ -2832,24 +2832,24 @@ struct DecoderStack {
                at::Tensor sin_)
       : Hq(hq), Hkv(hkv), D(d), eps(eps_), scale(scale_), final_norm(final_norm_), cos(cos_), sin(sin_) {}
 
-  // linears: (kind, w, aux, bias, rows, group, scales, codes, code scales, code rows) for qkv, o, gate_up,
-  // down; empty tensors stand for none
+  // linears: (kind, w, aux, bias, rows, group, scales, codes, code scales) for qkv, o, gate_up, down;
+  // empty tensors stand for none
   void add_layer(at::Tensor in_norm, at::Tensor post_norm, std::vector<int64_t> kinds, std::vector<at::Tensor> w,
                  std::vector<at::Tensor> aux, std::vector<at::Tensor> bias, std::vector<int64_t> rows,
                  std::vector<int64_t> group, std::vector<at::Tensor> scales, std::vector<at::Tensor> codes,
-                 std::vector<at::Tensor> code_scales, std::vector<int64_t> code_rows) {
+                 std::vector<at::Tensor> code_scales) {
     TORCH_CHECK(kinds.size() == 4 && w.size() == 4 && aux.size() == 4 && bias.size() == 4 && rows.size() == 4 &&
-                group.size() == 4 && scales.size() == 4 && codes.size() == 4 && code_scales.size() == 4 &&
-                code_rows.size() == 4, "add_layer: four linears (qkv, o, gate_up, down)");
+                group.size() == 4 && scales.size() == 4 && codes.size() == 4 && code_scales.size() == 4,
+                "add_layer: four linears (qkv, o, gate_up, down)");
     StackLinear lin[4];
     for (int i = 0; i < 4; ++i) {
       TORCH_CHECK(kinds[i] >= StackLinear::DENSE && kinds[i] <= StackLinear::DOT, "unknown linear kind ", kinds[i]);
       lin[i] = StackLinear{kinds[i], w[i], aux[i], bias[i].numel() ? bias[i] : at::Tensor(), rows[i], group[i],
                            scales[i]};
-      if (kinds[i] == StackLinear::PACKED && code_rows[i] > 0 && codes[i].numel()) {
+      if (kinds[i] == StackLinear::PACKED && codes[i].numel() && code_rows()) {
         lin[i].codes = codes[i];
         lin[i].code_scales = code_scales[i];
-        lin[i].code_rows = std::min<int64_t>(code_rows[i], QDOT_ROWS);
+        lin[i].code_rows = code_rows();
       }
     }
     lin[2].silu_fused = lin[2].fusable() && gate_up_fusion();
