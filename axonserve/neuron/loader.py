@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import time
 from typing import Iterator
 
@@ -38,36 +39,79 @@ def iter_weights(path: str, progress: bool = True) -> Iterator[tuple[str, torch.
                 bar.update(1)
 
 
-def code_twins(model: nn.Module, path: str) -> list[nn.Parameter]:
+def code_twins(model: nn.Module, path: str) -> dict[str, nn.Parameter]:
     """Give the linear weights a float32 twin (`p.exact`) that load_weights fills beside them, when
     the checkpoint stores float32 (a converted GGUF) and the bf16 model would round it: GGUF block
-    codes found in a twin become its weight's code copy (layers/quant.py PackedWeight).
+    codes found in a twin become its weight's code copy (`fit_twins`, layers/quant.py code_copy).
+    A twin is only reserved here: its pages are taken as load_weights writes them and given back
+    when `fit_twins` fits it, so a load holds about one decoder layer's twins at a time.
     AXONSERVE_CODE_COPIES=0 leaves them out; so do models whose load_weights does not fill twins
-    (`fills_code_twins`: Llama's family) and CPUs without the codes kernel. Returns the parameters given one."""
-    from axonserve.neuron.layers.quant import CODE_TWIN_MAX_BYTES
+    (`fills_code_twins`: Llama's family) and CPUs without the codes kernel. Returns the parameters
+    given one, by name."""
     from axonserve.neuron.ops import native
 
     if os.environ.get("AXONSERVE_CODE_COPIES", "1") in ("0", "false", "no"):
-        return []
+        return {}
     k = native.kernels()
     if k is None or not hasattr(k, "code_rows") or not k.code_rows() or not getattr(model, "fills_code_twins", False):
-        return []
+        return {}
     with safe_open(safetensors_files(path)[0], framework="pt") as f:
         if any(f.get_slice(n).get_dtype() != "F32" for n in list(f.keys())[:8]):
-            return []
-    params = {
-        id(m.weight): m.weight
-        for m in model.modules()
-        if getattr(m, "quantizable", False) and isinstance(getattr(m, "weight", None), nn.Parameter)
+            return {}
+    linear = {id(m.weight) for m in model.modules() if getattr(m, "quantizable", False)}
+    twins = {
+        name: p
+        for name, p in model.named_parameters()
+        if id(p) in linear and p.dtype == torch.bfloat16 and p.dim() == 2
     }
-    ps = [p for p in params.values() if p.dtype == torch.bfloat16 and p.dim() == 2]
-    need = sum(p.numel() * 4 for p in ps)
-    if need > CODE_TWIN_MAX_BYTES:
-        log.info("model.code_twins_skipped", gib=round(need / 2**30, 1), limit_gib=CODE_TWIN_MAX_BYTES >> 30)
-        return []
-    for p in ps:
+    for p in twins.values():
         p.exact = nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=False)
-    return ps
+    return twins
+
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def _unit(name: str) -> int | str:
+    """What a tensor or parameter name belongs to for fitting: its decoder layer, else itself."""
+    m = _LAYER.search(name)
+    return int(m[1]) if m else name
+
+
+def fit_twins(weights: Iterator[tuple[str, torch.Tensor]], twins: dict[str, nn.Parameter]):
+    """The checkpoint's tensors, as they stream to load_weights; when the stream leaves a decoder
+    layer (or an unstacked tensor such as the embedding), that unit's twins are fitted
+    (`p.code_copy`, layers/quant.py code_copy) and given back; anything left at the end then.
+    The GGUF converter writes a layer's tensors together; in a checkpoint that does not, a tensor
+    of a unit already fitted drops that unit's copies (the weights load all the same, without
+    copies there)."""
+    from axonserve.neuron.layers.quant import code_copy
+
+    by_unit: dict[int | str, list[nn.Parameter]] = {}
+    for name, p in twins.items():
+        by_unit.setdefault(_unit(name), []).append(p)
+    fitted: set[int | str] = set()
+
+    def fit(unit: int | str) -> None:
+        for p in by_unit.get(unit, ()):
+            exact = p.__dict__.pop("exact", None)
+            if exact is not None:
+                p.code_copy = code_copy(exact.data, p.data)
+        fitted.add(unit)
+
+    current = None
+    for name, w in weights:
+        unit = _unit(name)
+        if current is not None and unit != current:
+            fit(current)
+        if unit in fitted:  # back to a unit fitted already: its copies may predate this tensor
+            for p in by_unit.get(unit, ()):
+                p.__dict__.pop("code_copy", None)
+        current = unit
+        yield name, w
+    for unit in by_unit:
+        if unit not in fitted:
+            fit(unit)
 
 
 def load_model(
@@ -93,8 +137,8 @@ def load_model(
         weights, quantization = checkpoint_weights(weights, fp8_cfg), checkpoint_quantization(cfg.path, quantization)
     from axonserve.neuron.layers.quant import can_pack, panels_serve, quantize_model
 
-    twins = code_twins(model, cfg.path) if not quantization and pack and can_pack(dtype) else []
-    model.load_weights(weights)
+    twins = code_twins(model, cfg.path) if not quantization and pack and can_pack(dtype) else {}
+    model.load_weights(fit_twins(weights, twins) if twins else weights)
     model.eval()
 
     if quantization:
@@ -103,8 +147,8 @@ def load_model(
         quantize_model(model, "packed", dtype)
     elif pack and panels_serve(dtype, activation_quantization == "int8"):
         quantize_model(model, "panel", dtype, int8_activations=activation_quantization == "int8")
-    for p in twins:  # (quantize_model takes each twin it uses)
-        p.__dict__.pop("exact", None)
+    for p in twins.values():  # (quantize_model takes each copy it uses)
+        p.__dict__.pop("code_copy", None)
     if activation_quantization and not any(
         getattr(getattr(m, "qweight", None), "int8_activations", False) for m in model.modules()
     ):

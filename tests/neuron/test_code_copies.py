@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from axonserve.neuron.layers.quant import code_copy
+from axonserve.neuron.layers.quant import block_fit, code_copy
 from axonserve.neuron.model_source import resolve_model
 from axonserve.neuron.ops import native
 from axonserve.neuron.ops.attention import AttentionMetadata
@@ -58,16 +58,14 @@ def test_no_copy_unless_the_codes_rebuild_the_weight():
     assert code_copy(torch.randn(32, 40), torch.randn(32, 40).bfloat16()) is None  # K not a multiple of 32
 
 
-def test_codes_are_fitted_in_row_chunks_of_one_kind(monkeypatch):
-    from axonserve.neuron.layers import quant
-
-    w = _gguf_like(64, 64, "q4", seed=5)
-    whole = code_copy(w, w.bfloat16())
-    monkeypatch.setattr(quant, "CODE_FIT_ROWS", 16)
-    chunked = code_copy(w, w.bfloat16())
-    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
-    mixed = torch.cat([w[:16], _gguf_like(48, 64, "q8", seed=6)])  # Q4_1 rows, then Q8_0 ones
-    assert code_copy(mixed, mixed.bfloat16()) is None
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_fit_finds_the_codes_the_weight_was_made_of(kind):
+    w, q, d, m = _gguf_like(256, 128, kind, seed=11, with_codes=True)
+    bits, fq, fd, fm = block_fit(w, w.bfloat16())
+    assert bits == (4 if kind == "q4" else 8)
+    assert torch.equal(fq.double(), q) and torch.equal(fd.double(), d) and torch.equal(fm.double(), m)
+    mixed = torch.cat([w[:16], _gguf_like(48, 128, "q8" if kind == "q4" else "q4", seed=6)])
+    assert block_fit(mixed) is None  # one kind a weight (the copy's layout is one)
 
 
 def test_qdot_refuses_what_it_cannot_take():
@@ -125,4 +123,26 @@ def test_default_model_logits_are_the_same_bits_with_code_copies(monkeypatch):
     assert all(m.qweight.codes is None for m in without.model.modules() if getattr(m, "qweight", None) is not None)
     want = _logits_and_stack_decode(without)
     for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    del without
+    # a checkpoint whose layer 3 is not written together: its late tensor arrives after the layer
+    # was fitted, so that layer keeps no copies (the others do) and the logits are the same
+    from axonserve.neuron import loader
+
+    monkeypatch.delenv("AXONSERVE_CODE_COPIES")
+    real = loader.iter_weights
+
+    def late_layer_3(path, progress):
+        items = list(real(path, progress))
+        name = "model.layers.3.mlp.down_proj.weight"
+        assert any(n == name for n, _ in items)
+        return iter([it for it in items if it[0] != name] + [it for it in items if it[0] == name])
+
+    monkeypatch.setattr(loader, "iter_weights", late_layer_3)
+    late = make_runner(model, dtype="bfloat16", block_size=16, num_kv_blocks=128)
+    assert not any(hasattr(p, "exact") or hasattr(p, "code_copy") for p in late.model.parameters())
+    packed = {n: m.qweight for n, m in late.model.named_modules() if getattr(m, "qweight", None) is not None}
+    coded = {n for n, q in packed.items() if q.codes is not None}
+    assert not any(".layers.3." in n for n in coded) and any(".layers.4." in n for n in coded), sorted(coded)[:8]
+    for g, w in zip(_logits_and_stack_decode(late), want):
         assert torch.equal(g, w)

@@ -94,9 +94,10 @@ def test_bf16_checkpoint_served_in_float32_matches_transformers(tmp_path):
         torch.testing.assert_close(runner_logits(runner, ids, chunks), ref, atol=1e-4, rtol=1e-4)
 
 
-def _gguf_like(n: int, k: int, kind: str, seed: int) -> torch.Tensor:
+def _gguf_like(n: int, k: int, kind: str, seed: int, with_codes: bool = False):
     """What the GGUF converter writes for a Q4_1 / Q8_0 tensor: float32 of q d + m (one rounding),
-    d and m float16, q 4-bit unsigned / 8-bit signed, per row and block of 32 inputs."""
+    d and m float16, q 4-bit unsigned / 8-bit signed, per row and block of 32 inputs (with_codes:
+    also q [n, k], d and m [n, k/32])."""
     g = torch.Generator().manual_seed(seed)
     blocks = (n, k // 32)
     d = (torch.rand(blocks, generator=g) * 0.01 + 1e-4).half().double()
@@ -108,7 +109,8 @@ def _gguf_like(n: int, k: int, kind: str, seed: int) -> torch.Tensor:
         q = torch.randint(-127, 128, (*blocks, 32), generator=g).double()
         q[..., 0] = 127  # Q8_0: the largest magnitude is 127
         m = torch.zeros(blocks, dtype=torch.float64)
-    return (q * d[..., None] + m[..., None]).float().reshape(n, k)
+    w = (q * d[..., None] + m[..., None]).float().reshape(n, k)
+    return (w, q.reshape(n, k), d, m) if with_codes else w
 
 
 @pytest.mark.parametrize("kind", ["q4", "q8"])

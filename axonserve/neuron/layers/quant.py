@@ -112,7 +112,7 @@ class PackedWeight:
 
     method = "packed"
 
-    def __init__(self, w: torch.Tensor, exact: torch.Tensor | None = None):
+    def __init__(self, w: torch.Tensor, code: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.shape = tuple(w.shape)
         self.nbytes = w.numel() * w.element_size()
         # a CPU without oneDNN's bf16 path (no AVX512-BW/VL/DQ nor AVX-NE-CONVERT) keeps the
@@ -126,10 +126,10 @@ class PackedWeight:
         self.skinny_rows = self.kernels.skinny_rows(self.skinny) if self.skinny is not None else 0
         if self.skinny is not None:
             self.nbytes *= 2
-        # `exact`: the float32 values w was rounded from; GGUF block codes among them give a third
-        # copy, the codes, which the fewest-row steps stream instead (5 / 9 bits a weight, same bits)
-        rows = self.kernels.code_rows() if self.skinny is not None and exact is not None else 0
-        coded = code_copy(exact, w) if rows else None
+        # `code`: w's GGUF block codes (code_copy, fitted as the weights loaded: loader.fit_twins),
+        # a third copy, which the fewest-row steps stream instead (5 / 9 bits a weight, same bits)
+        rows = self.kernels.code_rows() if self.skinny is not None and code is not None else 0
+        coded = code if rows else None
         self.codes, self.code_scales = coded or (None, None)
         self.code_rows = rows if coded else 0
         self.nbytes += sum(t.numel() * t.element_size() for t in coded or ())
@@ -227,27 +227,23 @@ class PanelWeight:
 BLOCK = 32  # K steps per scale: GGUF's Q4_1 / Q8_0 block
 
 
-def block_fit(w: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """float32 [N, K] -> (bits, q [N, K], d, m [N, K/32]) when every block of 32 inputs of every row
-    is exactly fma(q, d, m) with float16 d, m and 4-bit q >= 0 (GGUF Q4_1: the block's minimum is
-    m, its maximum 15 d + m; bits 4) or exactly q d with 8-bit q (Q8_0: its largest magnitude is
-    127 |d|; bits 8, m 0); else None. Checked by decoding every value again, so None is the only
-    way wrong codes could come back."""
-    n, k = w.shape
-    if n % 16 or k % BLOCK or n == 0 or k == 0:
+def block_fit(
+    w: torch.Tensor, ref: torch.Tensor | None = None
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """float32 [N, K] -> (bits, q int8 [N, K], d, m float32 [N, K/32]) when every block of 32 inputs
+    of every row is exactly fma(q, d, m) with float16 d, m and 4-bit q >= 0 (GGUF Q4_1: the block's
+    minimum is m, its maximum 15 d + m; bits 4) or exactly q d with 8-bit q (Q8_0: its largest
+    magnitude is 127 |d|; bits 8, m 0); else None. `ref` (bf16): each value's rounding must also
+    be ref's bits. The native `fit_codes` decodes every value again in the same pass (one pass, no
+    temporaries: SmolLM2's 135M values in a fraction of a second), so None is the only way wrong
+    codes could come back; without the native kernels (which every code path needs) None."""
+    from axonserve.neuron.ops import native
+
+    k = native.kernels()
+    if k is None or not hasattr(k, "fit_codes"):
         return None
-    g = w.reshape(n, k // BLOCK, BLOCK)
-    lo = g.amin(-1)
-    d4 = ((g.amax(-1) - lo) / 15).half().float()
-    q4 = _codes(g - lo[..., None], d4, 0, 15)
-    if _f16(lo) and _decodes(g, q4, d4, lo):
-        return 4, q4.reshape(n, k), d4, lo
-    d8 = (g.abs().amax(-1) / 127).half().float()
-    q8 = _codes(g, d8, -127, 127)
-    zero = torch.zeros_like(d8)
-    if _decodes(g, q8, d8, zero):
-        return 8, q8.reshape(n, k), d8, zero
-    return None
+    bits, q, d, m = k.fit_codes(w.float().contiguous(), None if ref is None else ref.contiguous())
+    return (bits, q, d, m) if bits else None
 
 
 def block_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -259,11 +255,7 @@ def block_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     if bits == 4:
         q = _panels(q).to(torch.uint8)  # [N/16, K, 16]
         return (q[..., :8] | (q[..., 8:] << 4)).contiguous(), _panels(d.half()), _panels(m.half())  # c low, c + 8 high
-    return _panels(q).to(torch.int8), _panels(d.half()), _panels(m.half())
-
-
-CODE_TWIN_MAX_BYTES = 4 << 30  # the float32 twins load_model fills for code copies, at most
-CODE_FIT_ROWS = 4096  # rows block_fit checks at a time (its float64 temporaries: ~1 GiB for 4096 x 4096)
+    return _panels(q), _panels(d.half()), _panels(m.half())
 
 
 def code_copy(exact: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -271,35 +263,19 @@ def code_copy(exact: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch
     rounding the float32 `exact`, when `exact` is GGUF block codes (block_fit) and their rounding is
     `w` bit for bit; else None. The kernel rebuilds each value as fma(q, d, m) in float32, rounded
     to bf16: the very weight the skinny bf16 copy holds."""
-    fits = [block_fit(exact[r : r + CODE_FIT_ROWS]) for r in range(0, exact.shape[0], CODE_FIT_ROWS)]
-    if any(f is None for f in fits) or len({f[0] for f in fits}) != 1 or not torch.equal(exact.bfloat16(), w):
+    fit = block_fit(exact, w)
+    if fit is None:
         return None
-    bits = fits[0][0]
-    q, d, m = (torch.cat([f[i] for f in fits]) for i in (1, 2, 3))
+    bits, q, d, m = fit
     n, k = q.shape
     lanes = q.reshape(n // 16, 16, k // 2, 2).transpose(1, 2)  # [N/16, K/2, 16 columns, K pair]
     lo, hi = lanes[:, :, :8].reshape(n // 16, k // 2, 16), lanes[:, :, 8:].reshape(n // 16, k // 2, 16)
     if bits == 4:
         codes = (lo.to(torch.uint8) | (hi.to(torch.uint8) << 4)).contiguous()
     else:
-        codes = torch.cat([lo, hi], -1).to(torch.int8).contiguous()
+        codes = torch.cat([lo, hi], -1).contiguous()
     per_block = lambda t: t.half().reshape(n // 16, 16, k // BLOCK).transpose(1, 2)  # noqa: E731
     return codes, torch.stack([per_block(d), per_block(m)], 2).contiguous()
-
-
-def _codes(v: torch.Tensor, d: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    safe = torch.where(d > 0, d, torch.ones_like(d))[..., None]
-    return torch.where(d[..., None] > 0, (v / safe).round(), torch.zeros_like(v)).clamp(lo, hi)
-
-
-def _f16(t: torch.Tensor) -> bool:
-    return torch.equal(t.half().float(), t)
-
-
-def _decodes(g: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> bool:
-    """q d + m, exact in float64 (d q has <= 19 significant bits) and rounded once to float32, as
-    the kernel's fma does, equals every value."""
-    return torch.equal((q.double() * d.double()[..., None] + m.double()[..., None]).float(), g)
 
 
 def _panels(t: torch.Tensor) -> torch.Tensor:
@@ -370,7 +346,7 @@ def quantize_model(model: nn.Module, method: str, act_dtype: torch.dtype, int8_a
                 continue  # (a shard with a row count the panels do not tile stays dense)
             m.qweight = PanelWeight(w.data, panels, int8_activations)
         elif method == "packed":
-            m.qweight = PackedWeight(w.data, w.__dict__.pop("exact", None))  # (the twin's memory back at once)
+            m.qweight = PackedWeight(w.data, w.__dict__.pop("code_copy", None))
         else:
             m.qweight = QuantizedWeight(w.data, method, act_dtype)
         before += w.numel() * w.element_size()

@@ -1860,6 +1860,82 @@ at::Tensor qdot_bf16(at::Tensor x, at::Tensor codes, at::Tensor scales, bool sil
   return out;
 }
 
+// GGUF block codes found in a float32 weight (layers/quant.py block_fit says why): every block of 32
+// inputs of a row as fma(q, d, m) exactly, with float16 d and m. Q4 (Q4_1): m the block's minimum, d
+// its span over 15, q 0..15; Q8 (Q8_0): d its largest magnitude over 127, m 0, q -127..127. With
+// `ref`, each value's bf16 rounding must also be ref's bits (a code copy's bf16 weight).
+namespace {
+inline float f16_value(float x) { return static_cast<float>(c10::Half(x)); }  // RNE, as torch's .half()
+
+inline uint16_t bf16_bits(float f) {  // RNE of a finite value, as torch's .bfloat16() and vcvtne2ps2bf16
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+template <int BITS>
+bool fit_block(const float* v, const uint16_t* ref, int8_t* q, float* d_out, float* m_out) {
+  float lo = v[0], hi = v[0], amax = std::fabs(v[0]);
+  for (int i = 1; i < 32; i++) {
+    lo = std::min(lo, v[i]);
+    hi = std::max(hi, v[i]);
+    amax = std::max(amax, std::fabs(v[i]));
+  }
+  if (!std::isfinite(lo) || !std::isfinite(hi)) return false;
+  const float d = f16_value(BITS == 4 ? (hi - lo) / 15.0f : amax / 127.0f), m = BITS == 4 ? lo : 0.0f;
+  if (BITS == 4 && f16_value(lo) != lo) return false;
+  const float qmin = BITS == 4 ? 0.0f : -127.0f, qmax = BITS == 4 ? 15.0f : 127.0f;
+  float c[32];
+  for (int i = 0; i < 32; i++)
+    c[i] = d > 0.0f ? std::min(std::max(std::nearbyint((v[i] - m) / d), qmin), qmax) : 0.0f;
+  for (int i = 0; i < 32; i++) {
+    const float r = std::fma(c[i], d, m);
+    if (r != v[i] || (ref && bf16_bits(r) != ref[i])) return false;
+    q[i] = static_cast<int8_t>(c[i]);
+  }
+  *d_out = d;
+  *m_out = m;
+  return true;
+}
+}  // namespace
+
+// (bits, q int8 [N, K], d, m float32 [N, K/32]): bits 4 when every block fits Q4, else 8 when every
+// block fits Q8, else 0 (q, d, m then meaningless). N a multiple of 16 and K of 32, else 0.
+std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor> fit_codes(at::Tensor w, std::optional<at::Tensor> ref) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous(), "weight: contiguous float32 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
+  const uint16_t* r = nullptr;
+  if (ref.has_value() && ref->defined()) {
+    TORCH_CHECK(ref->scalar_type() == at::kBFloat16 && ref->is_contiguous() && ref->sizes() == w.sizes(),
+                "ref: contiguous bfloat16, the weight's shape");
+    r = reinterpret_cast<const uint16_t*>(ref->data_ptr<at::BFloat16>());
+  }
+  const bool shaped = N > 0 && K > 0 && N % 16 == 0 && K % 32 == 0;
+  at::Tensor q = at::empty({shaped ? N : 0, shaped ? K : 0}, at::kChar);
+  at::Tensor d = at::empty({shaped ? N : 0, shaped ? K / 32 : 0}, at::kFloat), m = at::empty_like(d);
+  if (!shaped) return {0, q, d, m};
+  const float* v = w.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float *dp = d.data_ptr<float>(), *mp = m.data_ptr<float>();
+  for (int bits : {4, 8}) {
+    std::atomic<bool> ok{true};
+    at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
+      for (int64_t row = b; row < e && ok.load(std::memory_order_relaxed); row++)
+        for (int64_t j = 0; j < K / 32; j++) {
+          const int64_t o = row * K + j * 32, s = row * (K / 32) + j;
+          const uint16_t* rr = r ? r + o : nullptr;
+          if (!(bits == 4 ? fit_block<4>(v + o, rr, qp + o, dp + s, mp + s)
+                          : fit_block<8>(v + o, rr, qp + o, dp + s, mp + s))) {
+            ok.store(false, std::memory_order_relaxed);
+            break;
+          }
+        }
+    });
+    if (ok.load()) return {bits, q, d, m};
+  }
+  return {0, q, d, m};
+}
+
 // The most rows qdot_bf16 should take in place of skinny_bf16 (where that runs the dot-product loop,
 // whose bits it has): QDOT_ROWS; 0 where AMX tiles take the bf16 weight (other bits) or there is no
 // AVX512-BF16.
@@ -2955,6 +3031,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gate_up_silu", &gate_up_silu, "silu(x @ Wg^T) * (x @ Wu^T) for 1..128 rows, W = [Wg; Wu] packed (AMX, or AVX512-BF16)");
   m.def("dot_bf16", &dot_bf16, "x @ W^T for 0..128 rows on AVX512-BF16's dot-product loop (skinny_bf16 without AMX); "
         "silu: gate_up_silu's product", py::arg("x"), py::arg("wp"), py::arg("silu") = false);
+  m.def("fit_codes", &fit_codes, "(bits, q, d, m): the GGUF Q4_1 / Q8_0 block codes that rebuild a float32 weight "
+        "exactly (and, given ref, its bf16 rounding bit for bit); bits 0: none", py::arg("w"),
+        py::arg("ref") = std::nullopt);
   m.def("code_rows", &code_rows, "the most rows qdot_bf16 takes in place of skinny_bf16 on this CPU (0: none)");
   m.def("qdot_bf16", &qdot_bf16, "dot_bf16's product (silu: gate_up_silu's) with the weight rebuilt from Q4_1 / "
         "Q8_0 block codes in registers, bit for bit", py::arg("x"), py::arg("codes"), py::arg("scales"),
