@@ -224,9 +224,6 @@ class PanelWeight:
         return self.kernels.panel_linear(x.float(), self.data).to(x.dtype)
 
 
-BLOCK = 32  # K steps per scale: GGUF's Q4_1 / Q8_0 block
-
-
 def block_fit(
     w: torch.Tensor, ref: torch.Tensor | None = None
 ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -266,16 +263,10 @@ def code_copy(exact: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch
     fit = block_fit(exact, w)
     if fit is None:
         return None
+    from axonserve.neuron.ops import native
+
     bits, q, d, m = fit
-    n, k = q.shape
-    lanes = q.reshape(n // 16, 16, k // 2, 2).transpose(1, 2)  # [N/16, K/2, 16 columns, K pair]
-    lo, hi = lanes[:, :, :8].reshape(n // 16, k // 2, 16), lanes[:, :, 8:].reshape(n // 16, k // 2, 16)
-    if bits == 4:
-        codes = (lo.to(torch.uint8) | (hi.to(torch.uint8) << 4)).contiguous()
-    else:
-        codes = torch.cat([lo, hi], -1).contiguous()
-    per_block = lambda t: t.half().reshape(n // 16, 16, k // BLOCK).transpose(1, 2)  # noqa: E731
-    return codes, torch.stack([per_block(d), per_block(m)], 2).contiguous()
+    return native.kernels().pack_codes(q, d, m, bits)
 
 
 def _panels(t: torch.Tensor) -> torch.Tensor:

@@ -1936,6 +1936,52 @@ std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor> fit_codes(at::Tensor w, 
   return {0, q, d, m};
 }
 
+// fit_codes' (q, d, m) of a bits-bit weight into qdot_bf16's layout: codes [N/16, K/2, 16] uint8
+// (Q4: byte j of a K pair holds row j/2's code low, row 8 + j/2's high) or [N/16, K/2, 32] int8 (Q8:
+// rows 0-7's 16 bytes, then rows 8-15's), vcvtne2ps2bf16's lane order; scales float16
+// [N/16, K/32, 2 (d, m), 16].
+std::tuple<at::Tensor, at::Tensor> pack_codes(at::Tensor q, at::Tensor d, at::Tensor m, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(), "q: contiguous int8 [N, K]");
+  const int64_t N = q.size(0), K = q.size(1), G = N / 16, P = K / 2, B = K / 32;
+  TORCH_CHECK(N % 16 == 0 && K % 32 == 0, "N a multiple of 16, K of 32");
+  for (const at::Tensor& t : {d, m})
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == N && t.size(1) == B,
+                "d, m: contiguous float32 [N, K/32]");
+  const int W = bits == 4 ? 16 : 32;
+  at::Tensor codes = at::empty({G, P, W}, bits == 4 ? at::kByte : at::kChar);
+  at::Tensor scales = at::empty({G, B, 2, 16}, at::kHalf);
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float *dp = d.data_ptr<float>(), *mp = m.data_ptr<float>();
+  uint8_t* cp = reinterpret_cast<uint8_t*>(codes.data_ptr());
+  at::Half* sp = scales.data_ptr<at::Half>();
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; g++) {
+      const int8_t* rows = qp + g * 16 * K;
+      for (int64_t p = 0; p < P; p++) {
+        uint8_t* out = cp + (g * P + p) * W;
+        for (int j = 0; j < 16; j++) {
+          const int64_t c = 2 * p + (j & 1);
+          const uint8_t lo = static_cast<uint8_t>(rows[(j >> 1) * K + c]);
+          const uint8_t hi = static_cast<uint8_t>(rows[(8 + (j >> 1)) * K + c]);
+          if (bits == 4) {
+            out[j] = static_cast<uint8_t>(lo | (hi << 4));
+          } else {
+            out[j] = lo;
+            out[16 + j] = hi;
+          }
+        }
+      }
+      for (int64_t b = 0; b < B; b++)
+        for (int r = 0; r < 16; r++) {
+          sp[((g * B + b) * 2 + 0) * 16 + r] = at::Half(dp[(g * 16 + r) * B + b]);
+          sp[((g * B + b) * 2 + 1) * 16 + r] = at::Half(mp[(g * 16 + r) * B + b]);
+        }
+    }
+  });
+  return {codes, scales};
+}
+
 // The most rows qdot_bf16 should take in place of skinny_bf16 (where that runs the dot-product loop,
 // whose bits it has): QDOT_ROWS; 0 where AMX tiles take the bf16 weight (other bits) or there is no
 // AVX512-BF16.
@@ -3034,6 +3080,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fit_codes", &fit_codes, "(bits, q, d, m): the GGUF Q4_1 / Q8_0 block codes that rebuild a float32 weight "
         "exactly (and, given ref, its bf16 rounding bit for bit); bits 0: none", py::arg("w"),
         py::arg("ref") = std::nullopt);
+  m.def("pack_codes", &pack_codes, "fit_codes' (q, d, m) into qdot_bf16's (codes, scales)", py::arg("q"),
+        py::arg("d"), py::arg("m"), py::arg("bits"));
   m.def("code_rows", &code_rows, "the most rows qdot_bf16 takes in place of skinny_bf16 on this CPU (0: none)");
   m.def("qdot_bf16", &qdot_bf16, "dot_bf16's product (silu: gate_up_silu's) with the weight rebuilt from Q4_1 / "
         "Q8_0 block codes in registers, bit for bit", py::arg("x"), py::arg("codes"), py::arg("scales"),
