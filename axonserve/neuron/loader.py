@@ -6,7 +6,7 @@ import glob
 import os
 import re
 import time
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import structlog
 import torch
@@ -40,14 +40,11 @@ def iter_weights(path: str, progress: bool = True) -> Iterator[tuple[str, torch.
 
 
 def code_twins(model: nn.Module, path: str) -> dict[str, nn.Parameter]:
-    """Give the linear weights a float32 twin (`p.exact`) that load_weights fills beside them, when
-    the checkpoint stores float32 (a converted GGUF) and the bf16 model would round it: GGUF block
-    codes found in a twin become its weight's code copy (`fit_twins`, layers/quant.py code_copy).
-    A twin is only reserved here: its pages are taken as load_weights writes them and given back
-    when `fit_twins` fits it, so a load holds about one decoder layer's twins at a time.
-    AXONSERVE_CODE_COPIES=0 leaves them out; so do models whose load_weights does not fill twins
-    (`fills_code_twins`: Llama's family) and CPUs without the codes kernel. Returns the parameters
-    given one, by name."""
+    """The linear weights that get a float32 twin (`p.exact`, filled by load_weights beside them)
+    when the checkpoint stores float32 (a converted GGUF) and the bf16 model would round it: GGUF
+    block codes found in a twin become its weight's code copy (`fit_twins`, layers/quant.py
+    code_copy). AXONSERVE_CODE_COPIES=0 leaves them out; so do models whose load_weights does not
+    fill twins (`fills_code_twins`: Llama's family) and CPUs without the codes kernel. By name."""
     from axonserve.neuron.ops import native
 
     if os.environ.get("AXONSERVE_CODE_COPIES", "1") in ("0", "false", "no"):
@@ -59,32 +56,31 @@ def code_twins(model: nn.Module, path: str) -> dict[str, nn.Parameter]:
         if any(f.get_slice(n).get_dtype() != "F32" for n in list(f.keys())[:8]):
             return {}
     linear = {id(m.weight) for m in model.modules() if getattr(m, "quantizable", False)}
-    twins = {
+    return {
         name: p
         for name, p in model.named_parameters()
         if id(p) in linear and p.dtype == torch.bfloat16 and p.dim() == 2
     }
-    for p in twins.values():
-        p.exact = nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=False)
-    return twins
 
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
 def _unit(name: str) -> int | str:
-    """What a tensor or parameter name belongs to for fitting: its decoder layer, else itself."""
+    """What a parameter belongs to for fitting: its decoder layer, else itself."""
     m = _LAYER.search(name)
     return int(m[1]) if m else name
 
 
-def fit_twins(weights: Iterator[tuple[str, torch.Tensor]], twins: dict[str, nn.Parameter]):
-    """The checkpoint's tensors, as they stream to load_weights; when the stream leaves a decoder
-    layer (or an unstacked tensor such as the embedding), that unit's twins are fitted
-    (`p.code_copy`, layers/quant.py code_copy) and given back; anything left at the end then.
-    The GGUF converter writes a layer's tensors together; in a checkpoint that does not, a tensor
-    of a unit already fitted drops that unit's copies (the weights load all the same, without
-    copies there)."""
+def fit_twins(
+    weights: Iterator[tuple[str, torch.Tensor]], twins: dict[str, nn.Parameter], param_name: Callable[[str], Any]
+):
+    """The checkpoint's tensors, as they stream to load_weights, with the twins of the unit each
+    fills (its decoder layer, or its own parameter: `param_name(tensor name)[0]`) given to that
+    unit's parameters when the stream enters it and fitted (`p.code_copy`, layers/quant.py
+    code_copy) and given back when it leaves; so a load holds one unit's twins at a time. The GGUF
+    converter writes a layer's tensors together; in a checkpoint that does not, a tensor for a unit
+    already fitted drops that unit's copies (the weights load all the same, without copies there)."""
     from axonserve.neuron.layers.quant import code_copy
 
     by_unit: dict[int | str, list[nn.Parameter]] = {}
@@ -99,19 +95,27 @@ def fit_twins(weights: Iterator[tuple[str, torch.Tensor]], twins: dict[str, nn.P
                 p.code_copy = code_copy(exact.data, p.data)
         fitted.add(unit)
 
-    current = None
-    for name, w in weights:
-        unit = _unit(name)
-        if current is not None and unit != current:
-            fit(current)
-        if unit in fitted:  # back to a unit fitted already: its copies may predate this tensor
-            for p in by_unit.get(unit, ()):
-                p.__dict__.pop("code_copy", None)
-        current = unit
-        yield name, w
-    for unit in by_unit:
-        if unit not in fitted:
-            fit(unit)
+    current: int | str | None = None
+    try:
+        for name, w in weights:
+            unit = _unit(param_name(name)[0])
+            if unit != current:
+                if current is not None:
+                    fit(current)
+                if unit in fitted:  # back to a unit fitted already: its copies may predate this tensor
+                    for p in by_unit.get(unit, ()):
+                        p.__dict__.pop("code_copy", None)
+                else:
+                    for p in by_unit.get(unit, ()):
+                        p.exact = nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=False)
+                current = unit
+            yield name, w
+        for unit in by_unit:
+            if unit not in fitted:
+                fit(unit)
+    finally:  # (a load that stopped early keeps no twin)
+        for p in twins.values():
+            p.__dict__.pop("exact", None)
 
 
 def load_model(
@@ -138,7 +142,7 @@ def load_model(
     from axonserve.neuron.layers.quant import can_pack, panels_serve, quantize_model
 
     twins = code_twins(model, cfg.path) if not quantization and pack and can_pack(dtype) else {}
-    model.load_weights(fit_twins(weights, twins) if twins else weights)
+    model.load_weights(fit_twins(weights, twins, model.param_name) if twins else weights)
     model.eval()
 
     if quantization:

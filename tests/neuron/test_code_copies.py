@@ -51,9 +51,12 @@ def test_no_copy_unless_the_codes_rebuild_the_weight():
     w = _gguf_like(32, 64, "q4", seed=3)
     assert code_copy(w, w.bfloat16()) is not None
     off = w.bfloat16().clone()
-    off[7, 9] = torch.nextafter(off[7, 9].float(), torch.tensor(9.0)).bfloat16()  # another bf16 than w's rounding
-    if not torch.equal(off, w.bfloat16()):
-        assert code_copy(w, off) is None
+    off.view(torch.int16)[7, 9] += 1  # the next bf16 after w's rounding there: the codes rebuild another weight
+    assert not torch.equal(off, w.bfloat16())
+    assert code_copy(w, off) is None
+    off = w.bfloat16().clone()
+    off.view(torch.int16)[31, 63] ^= 1 << 15  # the sign of its last value
+    assert code_copy(w, off) is None
     assert code_copy(torch.randn(32, 64), torch.randn(32, 64).bfloat16()) is None  # not block codes
     assert code_copy(torch.randn(32, 40), torch.randn(32, 40).bfloat16()) is None  # K not a multiple of 32
 

@@ -190,7 +190,8 @@ class LlamaForCausalLM(nn.Module):
         ".gate_proj.": (".gate_up_proj.", 0),
         ".up_proj.": (".gate_up_proj.", 1),
     }
-    fills_code_twins: ClassVar[bool] = True  # load_weights loads a weight's float32 twin too (loader.code_twins)
+    # load_weights loads a weight's float32 twin too, and param_name maps checkpoint names (loader.fit_twins)
+    fills_code_twins: ClassVar[bool] = True
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
