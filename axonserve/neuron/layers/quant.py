@@ -128,11 +128,10 @@ class PackedWeight:
             self.nbytes *= 2
         # `code`: w's GGUF block codes (code_copy, fitted as the weights loaded: loader.fit_twins),
         # a third copy, which the fewest-row steps stream instead (5 / 9 bits a weight, same bits)
-        rows = self.kernels.code_rows() if self.skinny is not None and code is not None else 0
-        coded = code if rows else None
-        self.codes, self.code_scales = coded or (None, None)
-        self.code_rows = rows if coded else 0
-        self.nbytes += sum(t.numel() * t.element_size() for t in coded or ())
+        self.code_rows = self.kernels.code_rows() if self.skinny is not None and code is not None else 0
+        self.codes, self.code_scales = code if self.code_rows else (None, None)
+        if self.code_rows:
+            self.nbytes += sum(t.numel() * t.element_size() for t in code)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.codes is not None and x.shape[0] <= self.code_rows and x.dim() == 2 and x.stride(-1) == 1:

@@ -1867,11 +1867,7 @@ at::Tensor qdot_bf16(at::Tensor x, at::Tensor codes, at::Tensor scales, bool sil
 namespace {
 inline float f16_value(float x) { return static_cast<float>(c10::Half(x)); }  // RNE, as torch's .half()
 
-inline uint16_t bf16_bits(float f) {  // RNE of a finite value, as torch's .bfloat16() and vcvtne2ps2bf16
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+inline uint16_t bf16_bits(float f) { return c10::BFloat16(f).x; }  // RNE, as .bfloat16() and vcvtne2ps2bf16
 
 template <int BITS>
 bool fit_block(const float* v, const uint16_t* ref, int8_t* q, float* d_out, float* m_out) {
@@ -2880,7 +2876,7 @@ struct StackLinear {
   int64_t group = 0;  // INT4: input columns per scale
   at::Tensor scales;  // PACKED with an int8 skinny copy: its float32 column scales
   at::Tensor codes, code_scales;  // PACKED: the bf16 weight as block codes (qdot_bf16; may be empty)
-  int64_t code_rows = 0;            // ... which take steps of up to code_rows() rows (0: none)
+                                  // (set only where code_rows() > 0: steps of up to QDOT_ROWS rows)
 
   // The most rows x may have for this projection to run on the kernels' own loops only (no oneDNN,
   // no torch op large enough for OpenMP's team: ATen splits elementwise ops from 32,768 elements)
@@ -2906,7 +2902,7 @@ struct StackLinear {
           return at::linear(x, w, bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
         break;
       case PACKED:
-        if (codes.defined() && x.size(0) <= code_rows && x.stride(1) == 1) y = qdot_bf16(x, codes, code_scales, false);
+        if (codes.defined() && x.size(0) <= QDOT_ROWS && x.stride(1) == 1) y = qdot_bf16(x, codes, code_scales, false);
         else if (x.size(0) > rows) y = onednn_linear(x.contiguous(), w);
         else y = aux.scalar_type() == at::kChar ? skinny_int8(x, aux, scales) : skinny_bf16(x, aux);
         break;
@@ -2924,7 +2920,7 @@ struct StackLinear {
   // silu_and_mul. (Prompt rows keep oneDNN: an AMX pass like amx_rows32's over L2-sized column
   // groups ran at oneDNN's speed, so fusing there bought nothing; docs/benchmarks.md#fig-gate-up-silu.)
   at::Tensor silu_mul(const at::Tensor& x) const {
-    if (silu_fused && codes.defined() && x.size(0) <= code_rows && x.stride(1) == 1)
+    if (silu_fused && codes.defined() && x.size(0) <= QDOT_ROWS && x.stride(1) == 1)
       return qdot_bf16(x, codes, code_scales, true);
     if (silu_fused && x.size(0) <= rows && x.stride(1) == 1) return gate_up_silu(x, aux);
     return silu_and_mul((*this)(x));
@@ -2971,7 +2967,6 @@ struct DecoderStack {
       if (kinds[i] == StackLinear::PACKED && codes[i].numel() && code_rows()) {
         lin[i].codes = codes[i];
         lin[i].code_scales = code_scales[i];
-        lin[i].code_rows = code_rows();
       }
     }
     lin[2].silu_fused = lin[2].fusable() && gate_up_fusion();
